@@ -1,0 +1,35 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine:
+# they create .venv with Python 3.12 if it is missing and install the project.
+SHELL := /bin/bash
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
+
+.PHONY: venv protos test demo bench-tiny clean
+
+$(STAMP): pyproject.toml
+	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 2; fi
+	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+protos: $(STAMP)
+	$(PY) -m characters_jax.protos_build
+
+test: protos
+	$(PY) -m pytest -q -x --durations=15 tests
+
+demo: protos
+	$(PY) -m characters_jax.cli demo --config small
+
+bench-tiny: $(STAMP)
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --mode ring --steps 50
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --mode launch --steps 50
+
+clean:
+	rm -rf $(VENV) out build *.egg-info characters_jax/protos_gen
