@@ -1,0 +1,54 @@
+"""`characters-jax`: one console entry, one sub-command per job.
+
+Each command module exposes `register(subparsers)`, which adds its parser and sets
+`func(args) -> int` (the exit code). Modules are imported only when listed here, and a
+command's heavy imports happen inside its `func`, so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = (
+    "characters_jax.engine.bench",  # bench
+    "characters_jax.checkpoint",  # init-checkpoint
+    "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
+    "characters_jax.numerics",  # numerics
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="characters-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == name:  # command not built yet in this checkout
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from characters_jax.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"characters-jax {args.command}: config error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
