@@ -1,0 +1,197 @@
+"""Row-parallel GEMM + all-reduce with a pluggable reduction.
+
+Called inside a ``jax.shard_map`` body over the tensor-parallel mesh axis.  Each
+device holds a slice of the contraction dimension: x_shard [M, K/tp] and
+w_shard [N, K/tp] (an ``Fp8Weight`` or a float array, stored (N, K)); the product
+x_shard @ w_shard.T is a partial sum of the [M, N] result, and the partials of all
+devices are summed (all-reduced) so that every device ends with the same [M, N].
+
+A transformer block with parallel attention and MLP computes two such products
+(attention-out and MLP-down) and reduces their sum once: pass a list of
+(x_shard, w_shard) pairs to ``row_parallel_matmul_reduce``.
+
+Methods (the ``method`` argument):
+  'psum'      XLA dot(s), then ``lax.psum`` (NCCL all-reduce on GPUs).
+  'ppermute'  a ring over row chunks of the output: at step s each device
+              computes the partial of one chunk of rows while the running sum of
+              the previous chunk travels to its ring neighbour (``lax.ppermute``);
+              after tp-1 hops each device holds one fully reduced chunk
+              (a reduce-scatter), and an all-gather rebuilds [M, N].  Only the
+              activations are sliced (rows), never the weights, so no weight is
+              copied.  Portable: runs on CPU devices too.
+  'pallas'    the fused FP8 GEMM + all-reduce Pallas Mosaic GPU kernel
+              (``pallas_kernels.fp8_gemm_allreduce``), NVIDIA Hopper only; output
+              tiles are pushed to the peers as they finish while later tiles compute.
+  'auto'      the best measured method for the backend (see ``resolve_method``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from characters_jax.parallel.fp8_linear import Fp8Weight, fp8_dot, linear, quantize_activation
+
+METHODS = ("psum", "ppermute", "pallas", "auto")
+
+
+def resolve_method(method: str, backend: str | None = None) -> str:
+    """Maps 'auto' to a concrete method for the backend; checks the name.
+
+    'auto' is 'psum' everywhere until the fused kernel is the measured winner on
+    the backend (BUILD_NOTES.md, "FP8 GEMM + all-reduce (issue 5)").
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
+    if method != "auto":
+        return method
+    return "psum"
+
+
+def _as_pairs(x_or_pairs, w) -> list[tuple[jax.Array, object]]:
+    if w is None:
+        pairs = list(x_or_pairs)
+        if not pairs:
+            raise ValueError("expected at least one (x_shard, w_shard) pair")
+        return [tuple(p) for p in pairs]
+    return [(x_or_pairs, w)]
+
+
+def _check_pairs(pairs) -> tuple[int, int]:
+    m = pairs[0][0].shape[0]
+    n = pairs[0][1].shape[0]
+    for x, w in pairs:
+        if x.ndim != 2 or x.shape[0] != m:
+            raise ValueError(f"every x_shard must be [M={m}, K], got {x.shape}")
+        if w.shape[0] != n or w.shape[1] != x.shape[1]:
+            raise ValueError(f"w_shard {w.shape} does not match x_shard {x.shape} and N={n}")
+    return m, n
+
+
+def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype) -> jax.Array:
+    """Sum over pairs of x @ w.T on this device (f32 sum, then out_dtype): [M, N]."""
+    acc = None
+    for x, w in pairs:
+        y = linear(x, w, out_dtype=jnp.float32)
+        acc = y if acc is None else acc + y
+    return acc.astype(out_dtype)
+
+
+def _ring_all_reduce_rows(chunk_partial, m: int, tp: int, axis_name: str) -> jax.Array:
+    """Ring reduce-scatter over row chunks, then all-gather.
+
+    chunk_partial(c) returns this device's partial [mc, N] (f32) for row chunk c
+    (a traced int).  Device d computes chunk (d + s + 1) % tp at step s and adds it
+    to the running sum received from device d + 1, so after tp - 1 hops it holds
+    chunk d reduced over all devices.  The matmul of step s does not depend on
+    the hop of step s - 1, so the two can overlap.
+    Returns the reduced [m, N].
+    """
+    d = lax.axis_index(axis_name)
+    to_left = [(i, (i - 1) % tp) for i in range(tp)]
+    acc = chunk_partial((d + 1) % tp)
+    out_dtype = acc.dtype
+    for s in range(1, tp):
+        local = chunk_partial((d + s + 1) % tp)
+        received = lax.ppermute(acc, axis_name, to_left)
+        acc = (received.astype(jnp.float32) + local.astype(jnp.float32)).astype(out_dtype)
+    full = lax.all_gather(acc, axis_name, axis=0, tiled=True)  # [tp * mc, N]
+    return full[:m]
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+    m, _ = _check_pairs(pairs)
+    tp = lax.axis_size(axis_name)
+    if tp == 1:
+        return local_partial(pairs, out_dtype)
+    mc = -(-m // tp)
+    # Quantize each activation once (one scale for all its rows), then slice rows.
+    prepared = []
+    for x, w in pairs:
+        if isinstance(w, Fp8Weight):
+            x_fp8, x_scale = quantize_activation(x)
+            prepared.append((_pad_rows(x_fp8, mc * tp), w.values, x_scale * w.scale))
+        else:
+            prepared.append((_pad_rows(x, mc * tp), w.astype(x.dtype), None))
+
+    def chunk_partial(c):
+        acc = None
+        for x_op, w_op, scale in prepared:
+            rows = lax.dynamic_slice_in_dim(x_op, c * mc, mc, axis=0)
+            if scale is None:
+                y = lax.dot_general(rows, w_op, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+            else:
+                y = fp8_dot(rows, w_op, jnp.float32) * scale
+            acc = y if acc is None else acc + y
+        return acc.astype(out_dtype)
+
+    return _ring_all_reduce_rows(chunk_partial, m, tp, axis_name)
+
+
+def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+    from pallas_kernels import fp8_gemm_allreduce
+
+    # The fused kernel runs the pair with the largest K; the others are computed
+    # by XLA and enter the kernel's epilogue as an addend.
+    order = sorted(range(len(pairs)), key=lambda i: pairs[i][0].shape[1])
+    x, w = pairs[order[-1]]
+    rest = [pairs[i] for i in order[:-1]]
+    addend = local_partial(rest, out_dtype) if rest else None
+    if not isinstance(w, Fp8Weight):
+        raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
+    return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.scale, addend=addend,
+                                             axis_name=axis_name, out_dtype=out_dtype)
+
+
+def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
+                               method: str = "psum", out_dtype=None) -> jax.Array:
+    """All-reduced row-parallel product, inside a shard_map body over ``axis_name``.
+
+    Args:
+      x_shard: [M, K/tp] activations (bf16/f32), or a list of (x_shard, w_shard)
+        pairs whose products are summed before the single reduction.
+      w_shard: [N, K/tp] ``Fp8Weight`` or float array (omit when passing pairs).
+      axis_name: the tensor-parallel mesh axis.
+      method: 'psum' | 'ppermute' | 'pallas' | 'auto' (module docstring).
+      out_dtype: dtype of the result and of the communicated partials
+        (default: the first activation's dtype).
+    Returns:
+      [M, N] = sum over devices (and pairs) of x @ w.T, replicated on every device.
+    """
+    pairs = _as_pairs(x_shard, w_shard)
+    _check_pairs(pairs)
+    out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
+    method = resolve_method(method, jax.default_backend())
+    if method == "psum":
+        return lax.psum(local_partial(pairs, out_dtype), axis_name)
+    if method == "ppermute":
+        return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
+    return _pallas_matmul_reduce(pairs, axis_name, out_dtype)
+
+
+def reduce(partial: jax.Array, *, axis_name: str = "tp", method: str = "psum") -> jax.Array:
+    """All-reduce of an already computed partial [M, N] over ``axis_name``.
+
+    'psum' is XLA's all-reduce; 'ppermute' the same ring reduce-scatter + all-gather
+    as above (no matmul to overlap); 'pallas' and 'auto' fall back to 'psum', since
+    the fused kernel's gain is hiding the reduction under the GEMM.
+    """
+    method = resolve_method(method, jax.default_backend())
+    if method != "ppermute":
+        return lax.psum(partial, axis_name)
+    tp = lax.axis_size(axis_name)
+    if tp == 1:
+        return partial
+    m = partial.shape[0]
+    mc = -(-m // tp)
+    padded = _pad_rows(partial, mc * tp)
+    return _ring_all_reduce_rows(
+        lambda c: lax.dynamic_slice_in_dim(padded, c * mc, mc, axis=0), m, tp, axis_name)

@@ -1,0 +1,97 @@
+"""FP8 linear layers: accuracy against a float reference, and the compiled GEMM."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from characters_jax.parallel.fp8_linear import (
+    FP8_DTYPE, Fp8Weight, linear, quantize_activation, quantize_weight)
+
+
+def _rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def _inputs(seed, m=37, k=96, n=80):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_linear_fp8_matches_float_reference(per_channel):
+    x, w = _inputs(np.random.SeedSequence().entropy % 2**31)
+    wq = quantize_weight(w, per_channel=per_channel)
+    assert wq.values.dtype == FP8_DTYPE and wq.values.shape == w.shape
+    assert wq.scale.shape == ((w.shape[0],) if per_channel else ())
+    out = jax.jit(linear)(x, wq)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert out.shape == ref.shape and out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    # Two e4m3 roundings (3 mantissa bits each) and a bf16 output.
+    assert _rel_err(out, ref) < 6e-2
+
+
+def test_linear_float_weight_and_batch_dims():
+    x, w = _inputs(np.random.SeedSequence().entropy % 2**31)
+    x3 = x.reshape(1, *x.shape)
+    out = linear(x3, w, out_dtype=jnp.float32)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert out.shape == (1, *ref.shape)
+    assert _rel_err(out[0], ref) < 1e-2
+
+
+def test_quantize_activation_scale_and_saturation():
+    x = jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31), (16, 64)) * 30
+    xq, s = jax.jit(quantize_activation)(x)
+    assert xq.dtype == FP8_DTYPE and s.shape == () and s.dtype == jnp.float32
+    np.testing.assert_allclose(float(s), float(jnp.max(jnp.abs(x))) / 448.0, rtol=1e-6)
+    assert np.isfinite(np.asarray(xq, np.float32)).all()
+    assert _rel_err(xq.astype(jnp.float32) * s, x) < 5e-2
+    xz, sz = quantize_activation(jnp.zeros((4, 8)))
+    assert np.isfinite(float(sz)) and not np.asarray(xz, np.float32).any()
+
+
+def test_weight_pytree_roundtrip():
+    _, w = _inputs(3)
+    wq = quantize_weight(w, per_channel=True)
+    leaves, tree = jax.tree_util.tree_flatten(wq)
+    assert len(leaves) == 2
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert isinstance(back, Fp8Weight)
+    assert _rel_err(back.dequantize(), w) < 5e-2
+
+
+def _compiled_hlo(x, wq):
+    return jax.jit(linear).lower(x, wq).compile().as_text()
+
+
+def test_weight_is_not_transposed_outside_the_dot():
+    """The (N, K) FP8 weight must reach the dot as stored: no transpose/copy of it."""
+    x, w = _inputs(5, m=64, k=128, n=256)
+    wq = quantize_weight(w)
+    hlo = jax.jit(linear).lower(x, wq).as_text()  # StableHLO before optimization
+    assert "transpose" not in hlo
+    compiled = _compiled_hlo(x, wq)
+    # The dot contracts K of the weight as stored: no transpose, no {0,1} re-layout.
+    assert "rhs_contracting_dims={1}" in compiled
+    assert "transpose(" not in compiled
+    assert "[256,128]{0,1}" not in compiled and "[128,256]" not in compiled
+
+
+@pytest.mark.gpu
+def test_fp8_dot_is_cublaslt_fp8_gemm_on_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU")
+    x, w = _inputs(7, m=757, k=512, n=1024)
+    for per_channel in (False, True):
+        compiled = _compiled_hlo(x, quantize_weight(w, per_channel=per_channel))
+        assert "__cublas$lt$matmul$f8" in compiled, compiled
