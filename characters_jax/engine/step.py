@@ -1,0 +1,276 @@
+"""The compiled programs of one worker: parameter init, session prefill and the step.
+
+Everything runs under one `jax.shard_map` over the ('tp',) mesh: embeddings and heads are
+replicated (small), the blocks are Megatron-sharded and end in one all-reduce each, the KV
+cache is sharded over heads. Each program is `jax.jit` with explicit in/out shardings and
+the state donated, compiled once per config and mesh (prefill once per prompt bucket).
+
+A step: reset the positions if due (ring: one delta rotation of the cached keys), mark the
+current frame's slots valid, draw noise, then `num_passes` flow-matching Euler passes; every
+pass runs the blocks under `lax.scan` and each block writes its new K/V into the current
+frame's slots before attending over sink + ring. The last pass's K/V stay as that frame's
+context. Nothing syncs the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from characters_jax.cache import kv_cache as kvc
+from characters_jax.config import Config
+from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
+from characters_jax.model.dit import DiT, scan_blocks
+from characters_jax.model.rope import apply_rope, rope_frequencies
+from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
+from characters_jax.parallel.sharding import TP, ShardingRules
+from pallas_kernels.fp8_attention import attention
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """attention: impl passed to `pallas_kernels.fp8_attention.attention`;
+    reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto')."""
+
+    attention: str = "auto"
+    reduce: str = "auto"
+
+
+def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
+    """PartitionSpecs for the model state from each Variable's `logical_axes`.
+
+    Block weights are stacked over a leading 'layers' axis that the metadata does not name.
+    """
+
+    def spec(path, var):
+        axes = tuple(var.get_metadata().get("logical_axes", (None,) * var.value.ndim))
+        if path and getattr(path[0], "key", path[0]) == "blocks":
+            axes = ("layers",) + axes
+        if len(axes) != var.value.ndim:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: logical axes {axes} do not match shape {var.value.shape}")
+        return rules.spec(axes)
+
+    return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def count_params(cfg: Config) -> int:
+    m = cfg.model
+    block = m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim + 2 * m.head_dim + 3 * m.d_model
+    other = (m.latent_channels * 2 + m.audio_feature_dim + m.prompt_vocab + 256 + 6 + 1) * m.d_model + m.d_model * m.d_model
+    return m.num_blocks * block + other
+
+
+def step_flops(cfg: Config) -> float:
+    """Matmul FLOPs of one step: passes x blocks x (GEMMs + attention over all cache slots)."""
+    m, t = cfg.model, cfg.tokens_per_step
+    gemm = 2 * t * (m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim)
+    attn = 4 * t * cfg.cache_slots * m.num_heads * m.head_dim
+    return float(cfg.sampler.num_passes * m.num_blocks * (gemm + attn))
+
+
+class Engine:
+    """Compiled programs for one config on one mesh. Holds no session state."""
+
+    def __init__(self, cfg: Config, mesh, options: EngineOptions = EngineOptions(), rules: ShardingRules = ShardingRules()):
+        cfg.validate_tp(mesh.size)
+        self.cfg, self.mesh, self.options = cfg, mesh, options
+        self.layout = kvc.CacheLayout.from_config(cfg)
+        m = cfg.model
+        self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
+        abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
+        self.graphdef, self.abstract_params = nnx.split(abstract)
+        self.param_specs = param_partition_specs(self.abstract_params, rules)
+        named = functools.partial(NamedSharding, mesh)
+        self.param_shardings = jax.tree.map(named, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+        self.state_specs = state_partition_spec(TP)
+        self.state_shardings = jax.tree.map(named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
+        self.replicated = named(P())
+
+        self.init_params = jax.jit(self._init_params, out_shardings=self.param_shardings)
+        self.init_state = jax.jit(lambda: empty_state(self.layout), out_shardings=self.state_shardings)
+        state_io = dict(in_shardings=(self.param_shardings, self.state_shardings), out_shardings=self.state_shardings)
+        self.prefill = jax.jit(
+            self._sharded(self._prefill_local, (P(),) * 4, out_specs=self.state_specs),
+            in_shardings=state_io["in_shardings"] + (self.replicated,) * 4,
+            out_shardings=self.state_shardings,
+            donate_argnames=("state",),
+        )
+        self.step = jax.jit(
+            self._sharded(self._step_local, (P(),), out_specs=(self.state_specs, P())),
+            in_shardings=state_io["in_shardings"] + (self.replicated,),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnames=("state",),
+        )
+        self.cache_upkeep = jax.jit(
+            self._sharded(self._upkeep_local, (self.state_specs.cache.k,), out_specs=self.state_specs),
+            in_shardings=state_io["in_shardings"] + (self.state_shardings.cache.k,),
+            out_shardings=self.state_shardings,
+            donate_argnames=("state",),
+        )
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _init_params(self, key):
+        model = DiT(self.cfg.model, rngs=nnx.Rngs(params=key))
+        return nnx.state(model)
+
+    def _sharded(self, fn, extra_in_specs: tuple, out_specs):
+        """shard_map(fn) over (params, state, *extra args), keeping the argument names."""
+        in_specs = (self.param_specs, self.state_specs) + tuple(extra_in_specs)
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+        def program(params, state, *args):
+            return mapped(params, state, *args)
+
+        return program
+
+    # ---- the per-block body shared by prefill and step ----------------------------------
+    def _block_fn(self, positions, offset, valid, slot_positions, token_valid=None):
+        """Per-block body: write this block's new K/V at `offset`, attend over the cache.
+
+        positions: [T, 3] of the new tokens; valid: [S] bool; slot_positions: [S, 3];
+        token_valid: [T] bool, given at prefill (then the FP8 scales are fixed here).
+        """
+        layout, freqs, opts = self.layout, self.freqs, self.options
+
+        def reduce(pairs):
+            return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce)
+
+        def block_fn(block, layer, x, shared_mod, cache):
+            def attend(q, k, v):
+                c = cache
+                if token_valid is not None:
+                    c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
+                c = kvc.write(layout, c, layer, offset, k, v, positions, freqs)
+                kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs)
+                o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention)
+                return o, c
+
+            return block(x, shared_mod, attend, reduce)
+
+        return block_fn
+
+    def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
+        temb = model.time_embedding(sigma)
+        h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn)
+        return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
+
+    # ---- programs (per shard) --------------------------------------------------------------
+    def _prefill_local(self, params, state: StepState, image_latent, prompt_tokens, prompt_len, seed):
+        """image_latent [T_img, C] f32; prompt_tokens [B] int32 (B = a bucket); prompt_len [] int32; seed [] uint32."""
+        cfg, layout = self.cfg, self.layout
+        model = nnx.merge(self.graphdef, params)
+        gh, gw, t_img = cfg.video.grid_h, cfg.video.grid_w, cfg.video.tokens_per_frame
+        b = prompt_tokens.shape[0]
+        tokens = model.embed_sink(image_latent, prompt_tokens)
+        pos = sink_positions(gh, gw, b)
+        token_valid = jnp.concatenate([jnp.ones((t_img,), bool), jnp.arange(b) < prompt_len])
+        valid = jnp.zeros((layout.slots,), bool).at[: t_img + b].set(token_valid)
+        slot_positions = jnp.zeros((layout.slots, 3), jnp.int32).at[: t_img + b].set(pos)
+        block_fn = self._block_fn(pos, jnp.int32(0), valid, slot_positions, token_valid)
+        _, cache = self._forward(model, tokens, jnp.float32(0.0), state.cache, block_fn)
+        key = jax.random.key_data(jax.random.key(seed))
+        return StepState(cache=cache, valid=valid, slot_positions=slot_positions, step=jnp.int32(0), frame_time=jnp.int32(1), rng=key)
+
+    def _reset_positions(self, state: StepState) -> StepState:
+        """Every reset_period steps: move every ring position back by reset_period (ring: rotate keys once)."""
+        layout, period = self.layout, self.cfg.cache.reset_period
+        due = state.frame_time >= layout.ring_frames + period
+        delta = jnp.array([-period, 0, 0], jnp.int32)
+        k = jax.lax.cond(due, lambda k: kvc.rotate_ring(layout, dataclasses.replace(state.cache, k=k), delta, self.freqs).k, lambda k: k, state.cache.k)
+        in_ring = (jnp.arange(layout.slots) >= layout.sink_slots)[:, None] & (jnp.arange(3) == 0)[None, :]
+        shift = jnp.where(due, -period, 0)
+        return dataclasses.replace(
+            state,
+            cache=dataclasses.replace(state.cache, k=k),
+            slot_positions=state.slot_positions + jnp.where(in_ring, shift, 0),
+            frame_time=state.frame_time + shift,
+        )
+
+    def _begin_frame(self, state: StepState):
+        """Positions of the new tokens, their first slot, and the updated valid/positions."""
+        cfg, layout = self.cfg, self.layout
+        pos = frame_positions(state.frame_time, cfg.video.grid_h, cfg.video.grid_w, cfg.model.audio_tokens_per_step)
+        offset = layout.frame_offset(state.step)
+        valid = jax.lax.dynamic_update_slice(state.valid, jnp.ones((layout.tokens_per_step,), bool), (offset,))
+        slot_positions = jax.lax.dynamic_update_slice(state.slot_positions, pos, (offset, jnp.int32(0)))
+        return pos, offset, valid, slot_positions
+
+    def _end_frame(self, state: StepState, cache, valid, slot_positions) -> StepState:
+        layout = self.layout
+        return StepState(
+            cache=kvc.shift_window(layout, cache),
+            valid=kvc.shift_slots(layout, valid),
+            slot_positions=kvc.shift_slots(layout, slot_positions),
+            step=state.step + 1,
+            frame_time=state.frame_time + 1,
+            rng=state.rng,
+        )
+
+    def _step_local(self, params, state: StepState, audio):
+        """audio [A_tok, F_a] f32 -> (state', latent [grid_h, grid_w, C] f32)."""
+        cfg = self.cfg
+        model = nnx.merge(self.graphdef, params)
+        state = self._reset_positions(state)
+        pos, offset, valid, slot_positions = self._begin_frame(state)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
+        block_fn = self._block_fn(pos, offset, valid, slot_positions)
+        cache = state.cache
+        sigmas = cfg.sampler.sigmas
+        for i in range(cfg.sampler.num_passes):
+            tokens = model.embed_frame(x, audio)
+            velocity, cache = self._forward(model, tokens, jnp.float32(sigmas[i]), cache, block_fn)
+            x = x + (sigmas[i + 1] - sigmas[i]) * velocity
+        new_state = self._end_frame(state, cache, valid, slot_positions)
+        return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
+
+    def _upkeep_local(self, params, state: StepState, new_kv):
+        """The step's cache operations alone (for measuring their share): reset, and per pass
+        and block the K/V write (RoPE + FP8 at write in ring mode) and what attention reads
+        (launch: RoPE + re-quantization of the whole cache), then the window shift.
+
+        new_kv: [L, T, H_local, D] stand-in new keys/values (same shapes as the step's).
+        """
+        layout = self.layout
+        del params
+        state = self._reset_positions(state)
+        pos, offset, valid, slot_positions = self._begin_frame(state)
+
+        def body(layer, cache):
+            kv = new_kv[layer].astype(jnp.float32)
+            cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
+            operands = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs)
+            operands = jax.lax.optimization_barrier(operands)  # materialize what attention would read
+            return jax.lax.optimization_barrier(cache)
+
+        cache = state.cache
+        for _ in range(self.cfg.sampler.num_passes):
+            cache = jax.lax.fori_loop(0, layout.num_blocks, body, cache)
+        return self._end_frame(state, cache, valid, slot_positions)
+
+    # ---- host-side helpers (no device sync) ----------------------------------------------------
+    def prompt_bucket(self, n: int) -> int:
+        for b in self.cfg.cache.prompt_buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={self.cfg.cache.max_prompt_tokens}")
+
+    def pad_prompt(self, tokens) -> tuple[np.ndarray, int]:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.model.prompt_vocab):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.model.prompt_vocab})")
+        b = self.prompt_bucket(tokens.size)
+        return np.pad(tokens, (0, b - tokens.size)), int(tokens.size)
+
+    def upkeep_inputs(self, key=None):
+        """Random stand-in K/V for `cache_upkeep`, placed like the cache."""
+        cfg = self.cfg
+        shape = (cfg.model.num_blocks, cfg.tokens_per_step, cfg.model.num_heads, cfg.model.head_dim)
+        make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=self.state_shardings.cache.k)
+        return make(key if key is not None else jax.random.key(1))

@@ -1,0 +1,186 @@
+"""The video DiT in Flax NNX: parallel blocks, QK-norm, 3-D RoPE, adaLN-single.
+
+One step feeds T = grid_h * grid_w latent tokens plus the audio tokens of that step. Each
+block reads one modulated RMSNorm of its input; attention and the MLP run side by side and
+their row-parallel outputs are summed before ONE all-reduce (`reduce`). Conditioning rides in
+the sequence: audio tokens with the frame, the reference image and prompt in the cached sink.
+
+The model is written per tensor-parallel shard: the same code runs on the full weights
+(tp=1) or, inside `shard_map`, on one device's heads and MLP columns; head counts are read
+off the weight shapes. Block weights are stacked over a leading `layers` axis and run under
+`jax.lax.scan` by the engine (`scan_blocks`).
+
+Weight storage: every projection is (N, K), output features first ("K-major"); in `fp8` mode
+block projections hold float8_e4m3fn values and a float32 per-tensor scale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from characters_jax.config import ModelConfig
+from characters_jax.parallel.fp8_linear import Fp8Weight, linear
+
+FP8 = jnp.float8_e4m3fn
+TIME_FREQ_DIM = 256
+
+# attend(q, k, v) -> (o, aux): q, k, v [T, H_local, D]; o [T, H_local, D]. The engine's closure
+# writes k/v into the cache and attends over it; aux carries the updated cache.
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
+# reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
+ReduceFn = Callable[[list], jax.Array]
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """RMSNorm without gain over the last axis, computed in float32, returned in x.dtype."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def timestep_features(sigma: jax.Array, dim: int = TIME_FREQ_DIM) -> jax.Array:
+    """Sinusoidal features of a noise level sigma in [0, 1]: [] -> [dim] float32."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    t = sigma.astype(jnp.float32) * 1000.0
+    return jnp.concatenate([jnp.cos(t * freqs), jnp.sin(t * freqs)])
+
+
+class Linear(nnx.Module):
+    """y = x @ w.T with w stored [out, in] (K-major). fp8: e4m3 values + per-tensor scale."""
+
+    def __init__(self, in_features: int, out_features: int, axes: tuple, *, dtype: str, std: float, rngs: nnx.Rngs):
+        key = rngs.params()
+        shape = (out_features, in_features)
+        if dtype == "fp8":
+            # Unit-normal values fit e4m3 (max 448) with room; the scale carries the std.
+            self.w = nnx.Param(jax.random.normal(key, shape, jnp.bfloat16).astype(FP8), logical_axes=axes)
+            self.w_scale = nnx.Param(jnp.asarray(std, jnp.float32), logical_axes=())
+        else:
+            self.w = nnx.Param((std * jax.random.normal(key, shape, jnp.float32)).astype(_dtype(dtype)), logical_axes=axes)
+            self.w_scale = None
+
+    def weight(self):
+        """The weight as `linear` takes it: an Fp8Weight or a plain [N, K] array."""
+        if self.w_scale is None:
+            return self.w[...]
+        return Fp8Weight(values=self.w[...], scale=self.w_scale[...])
+
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        return linear(x, self.weight(), out_dtype=out_dtype or x.dtype)
+
+
+class Block(nnx.Module):
+    """One parallel block. Weights (global shapes): qkv [H*3*D, d], out [d, H*D], up [F, d], down [d, F]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, hd, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+        wd = cfg.weight_dtype
+        depth_scale = 1.0 / math.sqrt(2 * cfg.num_blocks)
+        self.head_dim = hd
+        self.eps = cfg.norm_eps
+        self.qkv = Linear(d, h * 3 * hd, ("heads", "embed"), dtype=wd, std=d**-0.5, rngs=rngs)
+        self.out = Linear(h * hd, d, ("embed", "heads"), dtype=wd, std=(h * hd) ** -0.5 * depth_scale, rngs=rngs)
+        self.up = Linear(d, f, ("mlp", "embed"), dtype=wd, std=d**-0.5, rngs=rngs)
+        self.down = Linear(f, d, ("embed", "mlp"), dtype=wd, std=f**-0.5 * depth_scale, rngs=rngs)
+        self.q_norm = nnx.Param(jnp.ones((hd,), jnp.float32), logical_axes=("head_dim",))
+        self.k_norm = nnx.Param(jnp.ones((hd,), jnp.float32), logical_axes=("head_dim",))
+        # adaLN-single: a learned per-block offset to the shared modulation (shift, scale, gate).
+        self.modulation = nnx.Param(0.02 * jax.random.normal(rngs.params(), (3, d), jnp.float32), logical_axes=(None, "embed"))
+
+    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn):
+        """x: [T, d] (replicated); shared_mod: [3, d] float32. Returns (x', aux from attend)."""
+        t = x.shape[0]
+        mod = shared_mod + self.modulation[...]
+        h = (rms_norm(x, self.eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(x.dtype)
+        qkv = self.qkv(h).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+        q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
+        k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
+        v = qkv[:, :, 2]
+        o, aux = attend(q, k, v)
+        hidden = jax.nn.gelu(self.up(h), approximate=True)
+        y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight()), (hidden, self.down.weight())])
+        return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
+
+
+class DiT(nnx.Module):
+    """Embeddings, the stacked blocks and the output head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        small = cfg.dtype  # embeddings and heads stay in the activation dtype
+        self.cfg = cfg
+        self.patch_embed = Linear(cfg.latent_channels, d, ("embed", None), dtype=small, std=cfg.latent_channels**-0.5, rngs=rngs)
+        self.audio_embed = Linear(cfg.audio_feature_dim, d, ("embed", None), dtype=small, std=cfg.audio_feature_dim**-0.5, rngs=rngs)
+        self.prompt_embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.prompt_vocab, d), jnp.float32).astype(_dtype(small)), logical_axes=("vocab", "embed"))
+        self.time_in = Linear(TIME_FREQ_DIM, d, ("embed", None), dtype=small, std=TIME_FREQ_DIM**-0.5, rngs=rngs)
+        self.time_out = Linear(d, d, ("embed", None), dtype=small, std=d**-0.5, rngs=rngs)
+        self.adaln = Linear(d, 3 * d, (None, "embed"), dtype=small, std=0.02 * d**-0.5, rngs=rngs)
+        self.final_mod = Linear(d, 2 * d, (None, "embed"), dtype=small, std=0.02 * d**-0.5, rngs=rngs)
+        self.proj_out = Linear(d, cfg.latent_channels, (None, "embed"), dtype=small, std=d**-0.5, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(r):
+            return Block(cfg, rngs=r)
+
+        self.blocks = make_blocks(rngs)
+
+    @property
+    def act_dtype(self):
+        return _dtype(self.cfg.dtype)
+
+    def time_embedding(self, sigma: jax.Array) -> jax.Array:
+        """sigma [] -> temb [d] float32."""
+        feats = timestep_features(sigma).astype(self.act_dtype)
+        return self.time_out(jax.nn.silu(self.time_in(feats))).astype(jnp.float32)
+
+    def shared_modulation(self, temb: jax.Array) -> jax.Array:
+        """adaLN-single: one projection for all blocks. temb [d] -> [3, d] float32."""
+        return self.adaln(jax.nn.silu(temb).astype(self.act_dtype)[None])[0].astype(jnp.float32).reshape(3, -1)
+
+    def embed_frame(self, latent: jax.Array, audio: jax.Array) -> jax.Array:
+        """latent [T_img, C] + audio [A_tok, F_a] -> tokens [T_img + A_tok, d]."""
+        lat = self.patch_embed(latent.astype(self.act_dtype))
+        aud = self.audio_embed(audio.astype(self.act_dtype))
+        return jnp.concatenate([lat, aud], axis=0)
+
+    def embed_sink(self, image_latent: jax.Array, prompt_tokens: jax.Array) -> jax.Array:
+        """image_latent [T_img, C] + prompt ids [B] int32 -> tokens [T_img + B, d]."""
+        img = self.patch_embed(image_latent.astype(self.act_dtype))
+        txt = jnp.take(self.prompt_embed[...], prompt_tokens, axis=0).astype(self.act_dtype)
+        return jnp.concatenate([img, txt], axis=0)
+
+    def head(self, x: jax.Array, temb: jax.Array) -> jax.Array:
+        """Velocity for the image tokens: x [T_img, d], temb [d] -> [T_img, C] float32."""
+        mod = self.final_mod(jax.nn.silu(temb).astype(self.act_dtype)[None])[0].astype(jnp.float32).reshape(2, -1)
+        h = (rms_norm(x, self.cfg.norm_eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(self.act_dtype)
+        return self.proj_out(h).astype(jnp.float32)
+
+
+def scan_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, carry, block_fn):
+    """Runs the stacked blocks under lax.scan.
+
+    block_fn(block, layer, x, shared_mod, carry) -> (x, carry) is the engine's per-block body
+    (it builds the attend closure over `carry`, e.g. the KV cache, for that layer).
+    """
+    graphdef, state = nnx.split(blocks)
+    num_blocks = jax.tree.leaves(state)[0].shape[0]
+
+    def body(c, xs):
+        x, carry = c
+        layer, block_state = xs
+        block = nnx.merge(graphdef, block_state)
+        x, carry = block_fn(block, layer, x, shared_mod, carry)
+        return (x, carry), None
+
+    (x, carry), _ = jax.lax.scan(body, (x, carry), (jnp.arange(num_blocks, dtype=jnp.int32), state))
+    return x, carry
