@@ -1,0 +1,267 @@
+"""Fused row-parallel FP8 GEMM + all-reduce (Pallas Mosaic GPU), its reference and fallback.
+
+One process drives all the GPUs of the tensor-parallel mesh axis; the kernel runs
+inside ``jax.shard_map``.  On each device a persistent grid (one block per SM)
+computes the output tiles of the partial product
+
+    P_d = (x_fp8 @ w_fp8.T) * scale (+ addend)          [M, N]
+
+with wgmma on FP8 operands (both K-major: the weight is read as stored, (N, K)).
+As soon as a tile's epilogue has written it to shared memory, the tile is copied
+by the TMA engine to the device's own output and to a receive buffer on every
+peer (``plgpu.remote_ref``), and the warpgroups go on with their next tile while
+the copies travel over NVLink.  When a block has finished its tiles and its
+copies have landed, it signals each peer's semaphore; the kernel ends once every
+block of every peer has signalled.  The sum of the own partial and the tp - 1
+received ones is one fused elementwise pass after the kernel.
+
+No multicast or multimem instruction is used; the exchange is point-to-point,
+so any number of devices works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
+elements: the same as a ring all-reduce for tp = 2, more for larger tp.
+
+Shapes and dtypes (per device):
+  x_fp8  [M, K]  float8_e4m3fn       (M is padded to the tile height internally)
+  w_fp8  [N, K]  float8_e4m3fn       (K-major, as stored by ``Fp8Weight``)
+  scale  []      float32             (x scale * w scale, per tensor)
+  addend [M, N]  out_dtype, optional (a partial computed elsewhere, reduced with it)
+  out    [M, N]  out_dtype, the sum over devices, on every device
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+FP8 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiling of the fused kernel.
+
+    A block computes a (tile_m, 2 * tile_n) output tile with two compute
+    warpgroups side by side along N, streaming K in steps of tile_k through
+    ``stages`` shared-memory buffers; epilogues write (epi_m, epi_n) sub-tiles.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    stages: int = 3
+    epi_m: int = 64
+    epi_n: int = 64
+    grid_minor_n: bool = True
+    grid_tile_width: int = 4
+
+
+def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp.bfloat16):
+    """Plain-jnp/XLA reference: the FP8 dot, the scale, the addend, then ``lax.psum``."""
+    y = lax.dot_general(x_fp8, w_fp8, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32) * scale
+    if addend is not None:
+        y = y + addend.astype(jnp.float32)
+    return lax.psum(y.astype(out_dtype), axis_name)
+
+
+def is_supported() -> bool:
+    """The fused kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
+    if jax.default_backend() != "gpu":
+        return False
+    kind = getattr(jax.devices()[0], "compute_capability", "0")
+    try:
+        return float(kind) >= 9.0
+    except ValueError:
+        return False
+
+
+def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config):
+    """Launches the Mosaic GPU kernel; returns (own partial [Mp, N], received [tp-1, Mp, N] or None)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = w.shape[0]
+    c = config
+    cta_n = 2 * c.tile_n
+    if m % c.tile_m or n % cta_n or k % c.tile_k:
+        raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
+    m_iters, n_iters, k_iters = m // c.tile_m, n // cta_n, k // c.tile_k
+    num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
+    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
+    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(c.epi_n * out_bytes * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    has_addend = addend is not None
+    epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
+
+    def body(x_ref, w_ref, scale_ref, *refs):
+        if has_addend:
+            addend_ref, *refs = refs
+        out_ref, *recv = refs
+        recv_ref = recv[0] if recv else None
+        wg = lax.axis_index("wg")
+        dev = lax.axis_index(axis_name)
+        block = lax.axis_index("cluster_grid")
+        done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tp > 1 else None
+
+        pipeline = functools.partial(
+            plgpu.emit_pipeline_warp_specialized,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((c.tile_m, c.tile_k), lambda kk: (0, kk),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((cta_n, c.tile_k), lambda kk: (0, kk),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=c.stages,
+        )
+        ignore = lambda *_, **__: None
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(ignore, compute_context=ignore).get_allocations(x_ref, w_ref),
+            out_smem=plgpu.SMEM((2, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
+            scale_smem=plgpu.SMEM((c.epi_m, c.epi_n), jnp.float32),
+            barriers=plgpu.Barrier(num_barriers=3),
+            collective_axes="wg",
+        )
+        def _scope(allocs, out_smem, scale_smem, barriers):
+            # The combined dequant scale, one (epi_m, epi_n) tile shared by all epilogues.
+            @pl.when(wg == 0)
+            def _load_scale():
+                plgpu.copy_gmem_to_smem(scale_ref, scale_smem, barriers.at[2])
+
+            plgpu.barrier_wait(barriers.at[2])
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tiles(info):
+                (lin,) = info.index
+                mi, ni = plgpu.planar_snake(
+                    lin, (m_iters, n_iters),
+                    1 if c.grid_minor_n else 0, c.grid_tile_width)
+                m_sl = pl.ds(mi * c.tile_m, c.tile_m)
+                n_sl = pl.ds(ni * cta_n + wg * c.tile_n, c.tile_n)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped,
+                                       acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        acc = acc_ref[...]
+                        for e in range(epi_per_wg):
+                            em, en = divmod(e, c.tile_n // c.epi_n)
+                            e_m = slice(em * c.epi_m, (em + 1) * c.epi_m)
+                            e_n = slice(en * c.epi_n, (en + 1) * c.epi_n)
+                            slot = e % 2
+                            dst = (m_sl, n_sl)
+                            # The slot's previous copies must have left shared memory.
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            y = acc[e_m, e_n] * scale_smem[...]
+                            if has_addend:
+                                plgpu.copy_gmem_to_smem(
+                                    addend_ref.at[dst].at[e_m, e_n], out_smem.at[wg, slot],
+                                    barriers.at[wg])
+                                plgpu.barrier_wait(barriers.at[wg])
+                                y = y + out_smem[wg, slot].astype(jnp.float32)
+                            out_smem[wg, slot] = y.astype(out_dtype)
+                            plgpu.commit_smem()
+                            src = out_smem.at[wg, slot]
+                            plgpu.copy_smem_to_gmem(src, out_ref.at[dst].at[e_m, e_n],
+                                                    commit_group=False)
+                            for j in range(1, tp):
+                                peer = lax.rem(dev + j, tp)
+                                remote = plgpu.remote_ref(recv_ref.at[tp - 1 - j], peer)
+                                plgpu.copy_smem_to_gmem(src, remote.at[dst].at[e_m, e_n],
+                                                        commit_group=False)
+                            plgpu.commit_smem_to_gmem_group()
+
+                def mma(idxs, a_smem, b_smem, acc_ref):
+                    b_wg = b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]
+                    plgpu.wgmma(acc_ref, a_smem, b_wg.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                pipeline(mma, compute_context=compute_context)(
+                    x_ref.at[m_sl, :],
+                    w_ref.at[pl.ds(ni * cta_n, cta_n), :],
+                    allocations=allocs,
+                )
+
+        # Every copy of this block has landed: tell each peer, then wait for all of theirs.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        if tp > 1:
+            @pl.when(wg < 2)
+            def _signal():
+                for j in range(1, tp):
+                    pl.semaphore_signal(done_sem, 1, device_id=lax.rem(dev + j, tp))
+
+            @pl.when((wg == 0) & (block == 0))
+            def _wait():
+                pl.semaphore_wait(done_sem, value=2 * num_sms * (tp - 1), decrement=False)
+
+    out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+    if tp > 1:
+        out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
+    operands = (x, w, scale_tile) + ((addend,) if has_addend else ())
+    outs = plgpu.kernel(
+        body,
+        out_type=out_types,
+        grid=(num_sms,),
+        grid_names=("cluster_grid",),
+        num_threads=3,
+        thread_name="wg",
+        cluster=(1,),
+        cluster_names=("cluster",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*operands)
+    return outs[0], (outs[1] if tp > 1 else None)
+
+
+def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=jnp.bfloat16,
+                   x_scale=None, config: Config = Config(), use_kernel: bool | None = None):
+    """All-reduced (over ``axis_name``) x @ w.T * scales (+ addend), inside shard_map.
+
+    Args:
+      x: [M, K] float activations (quantized here, per tensor, on the device), or
+        FP8 activations whose scale is given as ``x_scale``.
+      w_fp8: [N, K] float8_e4m3fn weight shard; w_scale: [] float32.
+      addend: optional [M, N] partial of this device, reduced together with the product.
+      use_kernel: None picks the Pallas kernel where supported, else the XLA reference.
+    Returns:
+      [M, N] out_dtype, the same on every device.
+    """
+    from characters_jax.parallel.fp8_linear import quantize_activation
+
+    if jnp.ndim(w_scale) != 0:
+        raise NotImplementedError("the fused kernel takes a per-tensor weight scale")
+    if x_scale is None:
+        x, x_scale = quantize_activation(x)
+    scale = (x_scale * w_scale).astype(jnp.float32)
+    if use_kernel is None:
+        use_kernel = is_supported()
+    if not use_kernel:
+        return reference(x, w_fp8, scale, addend, axis_name=axis_name, out_dtype=out_dtype)
+    tp = lax.axis_size(axis_name)
+    m = x.shape[0]
+    m_pad = -(-m // config.tile_m) * config.tile_m
+    pad = ((0, m_pad - m), (0, 0))
+    x = jnp.pad(x, pad)
+    if addend is not None:
+        addend = jnp.pad(addend.astype(out_dtype), pad)
+    scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
+    own, received = _kernel(x, w_fp8, scale_tile, addend, axis_name=axis_name, tp=tp,
+                            out_dtype=out_dtype, config=config)
+    total = own.astype(jnp.float32)
+    if received is not None:
+        total = total + received.astype(jnp.float32).sum(0)
+    return total[:m].astype(out_dtype)
