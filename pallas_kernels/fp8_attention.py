@@ -1,0 +1,406 @@
+"""FP8 attention over the ring KV cache: Pallas Mosaic GPU kernel, reference, dispatcher.
+
+One attention call of the model: ``Tq`` new queries (757 for characters-57b) attend over
+``S`` cache slots (5,788: the sink, then six ring frames) whose K and V are stored as
+float8_e4m3fn with one float32 dequantization scale per head (real = stored * scale).
+Some slots are invalid (a short prompt leaves sink slots empty, the ring is partly empty
+early in a session); ``valid`` masks them. The softmax scale is 1/sqrt(D).
+
+Three implementations sit side by side:
+
+* :func:`attention_reference`: plain ``jnp`` in float32, any shape, any backend. It is
+  the definition of the op and the portable fallback.
+* :func:`attention_pallas`: a FlashAttention-3-style kernel for Hopper (H100/H200)
+  written with Pallas' Mosaic GPU backend (``plgpu``), derived from jax's
+  ``jax/experimental/pallas/ops/gpu/attention_mgpu.py``, with FP8 wgmma for both
+  products. Per CTA: one head and 128 query rows; two compute warpgroups of 64 rows each
+  (ping-ponged by a schedule barrier so one's softmax overlaps the other's matmuls) and
+  one memory warpgroup feeding K, V and the mask through TMA into a ring of SMEM stages.
+
+  - Q is quantized to e4m3 outside the kernel with one scale per (row, head); the row
+    scale, the head's K scale, 1/sqrt(D) and log2(e) fold into one per-row factor that
+    multiplies the FP8 logits.
+  - P = exp2(s - m) is taken times 256 (still < 448, the e4m3 maximum; fewer
+    underflows), cast to e4m3 and fed from registers as the A operand of the P.V wgmma.
+    The V scale is applied once, to the output.
+  - FP8 wgmma needs both operands K-major, so V is passed transposed, [H, D, S'].
+    The f32 accumulator layout of P holds column pairs (2t, 2t+1, 2t+8, 2t+9) per
+    thread where the 8-bit A layout expects quadruplets (4t..4t+3); rather than
+    shuffling P between threads, the wrapper permutes the keys of each 16-key group of
+    V^T the same way, so the P registers are used as they are.
+  - S need not be a multiple of the KV block: the last K block runs past S, TMA fills
+    those rows with zeros and the bias masks them. Q is padded to a multiple of 128
+    rows; the last output tile's store runs past Tq and TMA drops those rows. The mask
+    is a per-slot bias (0 or -1e30, finite so that no row can produce NaN); the output
+    factor is zero when no slot is valid, so such rows come out as zeros.
+* ``jax.nn.dot_product_attention`` (cuDNN or XLA) on dequantized bf16 K/V, for
+  comparison.
+
+:func:`attention` dispatches: ``impl='auto'`` takes the Pallas kernel on an NVIDIA
+Hopper GPU when K/V are FP8 and D == 128, the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F8 = jnp.float8_e4m3fn
+F8_MAX = 448.0
+LOG2E = math.log2(math.e)
+_MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
+_P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
+
+__all__ = [
+    "attention",
+    "attention_reference",
+    "attention_pallas",
+    "attention_dot_product",
+    "quantize_kv",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, k_scale, v_scale, valid):
+    """Plain-jnp attention over a (possibly FP8) KV cache, computed in float32.
+
+    Args:
+      q: [Tq, H, D] bf16/f32 queries (RoPE already applied).
+      k, v: [S, H, D] float8_e4m3fn (or bf16/f32) stored keys / values.
+      k_scale, v_scale: [H] float32 per-head dequantization scales.
+      valid: [S] bool; False slots have no influence.
+    Returns:
+      [Tq, H, D] in q.dtype. A row with no valid slot is all zeros.
+    """
+    d = q.shape[-1]
+    qf = q.astype(jnp.float32)
+    kf = k.astype(jnp.float32) * k_scale.astype(jnp.float32)[None, :, None]
+    vf = v.astype(jnp.float32) * v_scale.astype(jnp.float32)[None, :, None]
+    s = jnp.einsum("qhd,khd->hqk", qf, kf, precision=lax.Precision.HIGHEST)
+    s = s * (1.0 / math.sqrt(d))
+    s = jnp.where(valid[None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)  # exp(-inf) = 0 for masked slots
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("hqk,khd->qhd", p / jnp.maximum(l, 1e-30), vf,
+                   precision=lax.Precision.HIGHEST)
+    return o.astype(q.dtype)
+
+
+def quantize_kv(x, axis_reduce=(0, 2)):
+    """Quantizes [S, H, D] K or V to e4m3 with one scale per head: (x8, scale[H])."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis_reduce)
+    scale = jnp.maximum(amax, 1e-12) / F8_MAX
+    x8 = (x.astype(jnp.float32) / scale[None, :, None]).astype(F8)
+    return x8, scale.astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------
+# cuDNN / XLA comparison path
+# --------------------------------------------------------------------------------------
+
+
+def attention_dot_product(q, k, v, k_scale, v_scale, valid, *, implementation):
+    """``jax.nn.dot_product_attention`` on bf16-dequantized K/V ('cudnn' or 'xla')."""
+    dt = jnp.bfloat16
+    kf = (k.astype(jnp.float32) * k_scale[None, :, None]).astype(dt)
+    vf = (v.astype(jnp.float32) * v_scale[None, :, None]).astype(dt)
+    mask = jnp.broadcast_to(valid[None, None, None, :], (1, 1, q.shape[0], k.shape[0]))
+    o = jax.nn.dot_product_attention(
+        q.astype(dt)[None], kf[None], vf[None], mask=mask, implementation=implementation)
+    return o[0].astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Pallas Mosaic GPU kernel
+# --------------------------------------------------------------------------------------
+
+BLOCK_Q = 64  # rows per compute warpgroup (the wgmma M)
+COMPUTE_WGS = 2
+
+
+def _key_permutation(block_kv: int) -> np.ndarray:
+    """perm[i] = local key index whose V row sits at position i of a V^T block.
+
+    Within each 16-key group, the key 8h + 2t + v (h<2, t<4, v<2) goes to 4t + 2h + v:
+    that is where the 8-bit wgmma A layout reads the P value that the f32 accumulator
+    layout holds for that key.
+    """
+    idx = np.arange(block_kv).reshape(block_kv // 16, 2, 4, 2)  # (g, h, t, v)
+    return idx.transpose(0, 2, 1, 3).reshape(-1)
+
+
+def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv):
+    """Wrapper-side work: FP8 Q with per-row scales, permuted V^T, the slot bias.
+
+    Returns q8 [Tq', H, D] e4m3 (Tq' = Tq rounded up to 128, zero rows), scales
+    [H, 2, Tq'] f32 (row 0: logit factor in the log2 domain, row 1: output factor),
+    bias [S'] f32 (S' = S rounded up to block_kv) and vt [H, D, S'] e4m3.
+    """
+    tq, h, d = q.shape
+    s_len = v.shape[0]
+    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    s_pad = -(-s_len // block_kv) * block_kv
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(qf), axis=-1)  # [Tq, H]
+    q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
+    q8 = (qf / q_rs[..., None]).astype(F8)
+    q8 = jnp.pad(q8, ((0, tq_pad - tq), (0, 0), (0, 0)))
+    logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
+    any_valid = jnp.any(valid).astype(jnp.float32)
+    out_sc = jnp.broadcast_to((v_scale.astype(jnp.float32) * any_valid)[None, :], (tq, h))
+    scales = jnp.stack([logit.T, out_sc.T], axis=1)  # [H, 2, Tq]
+    scales = jnp.pad(scales, ((0, 0), (0, 0), (0, tq_pad - tq)))
+
+    valid_p = jnp.pad(valid, (0, s_pad - s_len))
+    bias = jnp.where(valid_p, 0.0, _MASK_BIAS).astype(jnp.float32)
+
+    nb = s_pad // block_kv
+    vp = jnp.pad(v, ((0, s_pad - s_len), (0, 0), (0, 0)))
+    vp = vp.reshape(nb, block_kv // 16, 2, 4, 2, h, d)          # (j, g, h2, t, v2, H, D)
+    vt = jnp.transpose(vp, (5, 6, 0, 1, 3, 2, 4)).reshape(h, d, s_pad)
+    return q8, scales, bias, vt
+
+
+def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
+                        clip_out=True):
+    """The pallas kernel. q8 [Tq', H, D] e4m3, k8 [S, H, D] e4m3, vt [H, D, S'] e4m3,
+    scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
+    With clip_out the last query tile's store runs past Tq and TMA drops those rows."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental import mosaic as _mosaic  # noqa: F401
+    import jax.experimental.mosaic.gpu as mgpu
+
+    tq_pad, h, d = q8.shape
+    nb = vt.shape[-1] // block_kv
+    stages = min(stages, nb)
+    n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
+    out_rows = tq if clip_out else tq_pad
+    if d != 128:
+        raise NotImplementedError(f"the FP8 kernel handles head_dim 128, got {d}")
+
+    def to_8bit_a(p8):
+        """Regroup an e4m3 [64, bkv] array from the WGMMA layout (pairs) into the
+        8-bit WGMMA layout (quadruplets) without moving data between threads; the
+        column order this implies is undone by the V^T key permutation."""
+
+        @plgpu.inline_mgpu(
+            arg_types=(plgpu.Layout.WGMMA,),
+            return_type=plgpu.ShapeDtypeStruct(
+                (BLOCK_Q, block_kv), F8, layout=plgpu.Layout.WGMMA_8BIT),
+        )
+        def regroup(ctx, x):
+            del ctx
+            regs = x.registers  # [1, bkv/8, 1, 1, 2, 1, 1, 1, 1] of vector<2xf8>
+            new_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape((BLOCK_Q, block_kv))
+            new = np.empty(new_shape, dtype=object)
+            for g in range(block_kv // 16):
+                for rh in range(2):
+                    lo = regs[0, 2 * g, 0, 0, rh, 0, 0, 0, 0]
+                    hi = regs[0, 2 * g + 1, 0, 0, rh, 0, 0, 0, 0]
+                    new[0, g, 0, 0, rh, 0, 0, 0, 0] = mgpu.utils.vector_concat([lo, hi])
+            return mgpu.FragmentedArray(
+                _registers=new, _layout=mgpu.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+        return regroup(p8)
+
+    def kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref, scoped):
+        head = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem), bars = scoped
+        (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars
+
+        def schedule_barrier():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, o_smem, sc_smem = q_smem2.at[wg], o_smem2.at[wg], sc_smem2.at[wg]
+            q0 = (lax.axis_index("q_tiles") * COMPUTE_WGS + wg) * BLOCK_Q
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(q0, BLOCK_Q), head], q_smem,
+                                    q_bars.at[wg])
+            plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)], sc_smem,
+                                    q_bars.at[wg])
+            plgpu.barrier_wait(q_bars.at[wg])
+            row_scale = plgpu.load(sc_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(k_bars.at[0])
+            pl.when(wg == 1)(schedule_barrier)
+
+            def kv_step(j, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j, stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_done.at[slot])
+                b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+                     + lax.broadcast_in_dim(b, s.shape, [1]))
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p8 = to_8bit_a(p.astype(F8))
+                acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_wait(sched)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
+                    nxt = j + 1
+
+                    @pl.when(nxt < nb)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, m_new, l_i
+
+            acc, m_i, l_i = lax.fori_loop(0, nb, kv_step, (acc, m_i, l_i))
+            pl.when(wg == 0)(schedule_barrier)
+            out_scale = plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+            acc = acc * lax.broadcast_in_dim(out_scale / l_i, acc.shape, [0])
+            o_smem[...] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(q0, BLOCK_Q), head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(j, slot):
+                # Rows past S are zero-filled by TMA (and masked by the bias).
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
+                                        k_smem_tma.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
+                                        b_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(vt_ref.at[head, :, pl.ds(j * block_kv, block_kv)],
+                                        v_smem.at[slot], v_bars.at[slot])
+
+            for i in range(stages):
+                issue(jnp.int32(i), i)
+
+            @pl.loop(0, nb - stages)
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_done.at[slot])
+                plgpu.barrier_wait(v_done.at[slot])
+                issue(j + stages, slot)
+
+    def entry(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref):
+        sw = plgpu.SwizzleTransform(128)
+        t8 = plgpu.TilingTransform((8, 128))
+        t16 = plgpu.TilingTransform((8, 64))
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), F8, transforms=(t8, sw)),
+            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw)),
+            plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
+            # K: TMA writes through an untiled view (the (8, 128) tiling of 128-byte
+            # rows is the identity, so no S % 8 == 0 requirement on the cache) and the
+            # wgmma reads the tiled view of the same bytes.
+            plgpu.RefUnion(plgpu.SMEM((stages, block_kv, d), F8, transforms=(t8, sw)),
+                           plgpu.SMEM((stages, block_kv, d), F8, transforms=(sw,))),
+            plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw)),
+            plgpu.SMEM((stages, block_kv), jnp.float32),
+        )
+        bars = (
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref,
+                                   (scoped[:6], scoped[6:])),
+            *smem, *bars, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((out_rows, h, d), out_dtype),
+        grid=(h, n_qtiles),
+        grid_names=("heads", "q_tiles"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q8, k8, vt, scales, bias)
+
+
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out"))
+def attention_pallas(q, k, v, k_scale, v_scale, valid, *, block_kv: int = 128,
+                     stages: int = 2, clip_out: bool = False):
+    """FP8 attention through the Mosaic GPU kernel (Hopper only).
+
+    Same arguments and result as :func:`attention_reference`; K/V must be
+    float8_e4m3fn and D == 128.
+    """
+    tq, h, d = q.shape
+    if k.dtype != F8 or v.dtype != F8:
+        raise TypeError("attention_pallas needs float8_e4m3fn K/V")
+    q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv)
+    out_dtype = jnp.bfloat16
+    out = _fp8_attention_call(q8, k, vt, scales, bias, tq=tq, block_kv=block_kv,
+                              stages=stages, out_dtype=out_dtype, clip_out=clip_out)
+    return out[:tq].astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------
+
+
+def _is_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if dev.platform != "gpu":
+        return False
+    cc = getattr(dev, "compute_capability", None)
+    return cc is not None and str(cc).startswith("9")
+
+
+def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto") -> jax.Array:
+    """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied); k, v: [S, H, D] float8_e4m3fn
+    (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
+    scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
+    Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'cudnn' | 'xla'.
+    'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
+    if impl == "auto":
+        fp8 = k.dtype == F8 and v.dtype == F8
+        impl = "pallas" if (fp8 and q.shape[-1] == 128 and _is_hopper()) else "reference"
+    if impl == "reference":
+        return attention_reference(q, k, v, k_scale, v_scale, valid)
+    if impl == "pallas":
+        return attention_pallas(q, k, v, k_scale, v_scale, valid)
+    if impl in ("cudnn", "xla"):
+        return attention_dot_product(q, k, v, k_scale, v_scale, valid, implementation=impl)
+    raise ValueError(f"unknown attention impl {impl!r}")

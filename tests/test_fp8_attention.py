@@ -1,0 +1,180 @@
+"""FP8 ring-cache attention: reference semantics on CPU, the Mosaic GPU kernel on Hopper.
+
+The kernel uses warp specialization, mbarriers, TMA and an inline Mosaic GPU register
+regroup; Pallas' CPU interpreter in jax 0.11.2 does not run those, so the kernel tests
+are GPU-only (marked ``gpu``, skipped without an NVIDIA GPU). On CPU the kernel is still
+lowered to Mosaic GPU IR (no GPU needed), which catches layout and shape errors.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import fp8_attention as fa
+
+
+def _inputs(key, tq, s, h, d, *, q_dtype=jnp.bfloat16, fp8=True, outliers=True):
+    kq, kk, kv, ko = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (tq, h, d), jnp.float32)
+    k = jax.random.normal(kk, (s, h, d), jnp.float32) * (1.0 + jnp.arange(h))[None, :, None]
+    v = jax.random.normal(kv, (s, h, d), jnp.float32)
+    if outliers:  # a few rows and slots far larger than the rest
+        rows = jax.random.randint(ko, (3,), 0, tq)
+        q = q.at[rows].multiply(8.0)
+        k = k.at[: max(1, s // 50)].multiply(4.0)
+        v = v.at[s // 3].multiply(6.0)
+    if fp8:
+        k8, ks = fa.quantize_kv(k)
+        v8, vs = fa.quantize_kv(v)
+    else:
+        k8, v8 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        ks = vs = jnp.ones((h,), jnp.float32)
+    return q.astype(q_dtype), k8, v8, ks, vs
+
+
+def _valid(s, sink=None, masked_prefix=0, ring_filled=None):
+    valid = np.ones((s,), bool)
+    sink = sink if sink is not None else s // 5
+    valid[sink - masked_prefix: sink] = False  # prompt shorter than its bucket
+    if ring_filled is not None:
+        valid[sink + ring_filled:] = False  # ring still filling
+    return jnp.asarray(valid)
+
+
+def _naive(q, k, v, ks, vs, valid):
+    """float64 numpy softmax attention, the textbook way."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k.astype(jnp.float32), np.float64) * np.asarray(ks)[None, :, None]
+    v = np.asarray(v.astype(jnp.float32), np.float64) * np.asarray(vs)[None, :, None]
+    s = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    s = np.where(np.asarray(valid)[None, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v)
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_reference_matches_naive(fp8):
+    tq, s, h, d = 25, 198, 4, 16
+    q, k, v, ks, vs = _inputs(jax.random.key(0), tq, s, h, d, q_dtype=jnp.float32, fp8=fp8)
+    valid = _valid(s, sink=40, masked_prefix=9, ring_filled=120)
+    out = fa.attention(q, k, v, ks, vs, valid, impl="reference")
+    assert out.shape == (tq, h, d) and out.dtype == q.dtype
+    assert np.isfinite(np.asarray(out)).all()
+    assert _rel(out, _naive(q, k, v, ks, vs, valid)) < 1e-5
+
+
+def test_reference_masked_slots_have_no_influence():
+    tq, s, h, d = 25, 198, 4, 16
+    q, k, v, ks, vs = _inputs(jax.random.key(1), tq, s, h, d)
+    valid = _valid(s, sink=40, masked_prefix=11, ring_filled=100)
+    out = fa.attention(q, k, v, ks, vs, valid, impl="reference")
+    k2, v2 = fa.quantize_kv(jax.random.normal(jax.random.key(2), (s, h, d)) * 50)[0], k[::-1]
+    m = ~valid[:, None, None]
+    out2 = fa.attention(q, jnp.where(m, k2, k), jnp.where(m, v2, v), ks, vs, valid,
+                        impl="reference")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+
+
+def test_reference_fully_masked_gives_zeros_not_nan():
+    tq, s, h, d = 25, 198, 4, 16
+    q, k, v, ks, vs = _inputs(jax.random.key(3), tq, s, h, d)
+    out = fa.attention(q, k, v, ks, vs, jnp.zeros((s,), bool), impl="reference")
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+def test_auto_on_cpu_is_the_reference_and_jits():
+    tq, s, h, d = 25, 198, 4, 16
+    q, k, v, ks, vs = _inputs(jax.random.key(4), tq, s, h, d)
+    valid = _valid(s, masked_prefix=5)
+    f = jax.jit(lambda *a: fa.attention(*a, impl="auto"))
+    out = f(q, k, v, ks, vs, valid)
+    ref = fa.attention_reference(q, k, v, ks, vs, valid)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_key_permutation_is_a_permutation_within_16():
+    perm = fa._key_permutation(128)
+    assert sorted(perm.tolist()) == list(range(128))
+    assert (perm // 16 == np.arange(128) // 16).all()
+    # position 4t + 2h + v of a group holds key 8h + 2t + v
+    assert perm[4 * 1 + 2 * 1 + 0] == 8 * 1 + 2 * 1 + 0
+
+
+def test_kernel_lowers_to_mosaic_gpu_on_cpu():
+    """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma)."""
+    tq, s, h, d = 200, 300, 2, 128
+    q = jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((s, h, d), fa.F8)
+    sc = jax.ShapeDtypeStruct((h,), jnp.float32)
+    va = jax.ShapeDtypeStruct((s,), jnp.bool_)
+    try:
+        lowered = fa.attention_pallas.trace(q, k, k, sc, sc, va).lower(
+            lowering_platforms=("cuda",))
+    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
+        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+# ----------------------------------------------------------------------------------------
+# GPU (Hopper) tests of the kernel
+# ----------------------------------------------------------------------------------------
+
+def _require_hopper():
+    if jax.default_backend() != "gpu" or not fa._is_hopper():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
+    (757, 5788, 2, 200, None),   # the model's shape, sink prefix masked
+    (200, 700, 3, 0, 300),       # short, ring partly filled, S not a multiple of 128
+    (64, 128, 1, 10, None),
+])
+def test_kernel_matches_reference(tq, s, h, masked_prefix, ring_filled):
+    _require_hopper()
+    d = 128
+    q, k, v, ks, vs = _inputs(jax.random.key(tq + s), tq, s, h, d)
+    valid = _valid(s, sink=min(1246, s // 2), masked_prefix=masked_prefix,
+                   ring_filled=ring_filled)
+    out = fa.attention(q, k, v, ks, vs, valid, impl="pallas")
+    ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all()
+    assert _rel(out, ref) < 3e-2
+
+
+@pytest.mark.gpu
+def test_kernel_masked_slots_have_no_influence():
+    _require_hopper()
+    tq, s, h, d = 300, 1000, 2, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(7), tq, s, h, d)
+    valid = _valid(s, sink=400, masked_prefix=150, ring_filled=450)
+    out = fa.attention(q, k, v, ks, vs, valid, impl="pallas")
+    m = ~valid[:, None, None]
+    k2 = jnp.where(m, jnp.full_like(k, 400.0), k)
+    v2 = jnp.where(m, jnp.full_like(v, -400.0), v)
+    out2 = fa.attention(q, k2, v2, ks, vs, valid, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+
+
+@pytest.mark.gpu
+def test_kernel_fully_masked_no_nan():
+    _require_hopper()
+    tq, s, h, d = 100, 300, 1, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(8), tq, s, h, d)
+    out = fa.attention(q, k, v, ks, vs, jnp.zeros((s,), bool), impl="pallas")
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out, 0.0)
