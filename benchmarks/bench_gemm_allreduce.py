@@ -1,0 +1,310 @@
+"""FP8 GEMMs and row-parallel GEMM + all-reduce at characters-57b per-GPU shapes (tp=2).
+
+One run checks every variant against an f32 reference on fresh random inputs
+(outputs land in memory first filled with NaN, so an unwritten element shows),
+then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
+
+  gemm       XLA FP8 dot on pre-quantized operands, scaled, bf16 out (one device)
+  allreduce  ``lax.psum`` of the bf16 [M, N] output (NCCL)
+  gemm+ar    the two in sequence ('psum' method)
+  ppermute   ring reduce-scatter over row chunks overlapped with the matmul, then all-gather
+  fused      the Pallas Mosaic GPU fused GEMM + all-reduce kernel
+  torch      ``torch._scaled_mm`` and a NCCL all-reduce (torch.distributed, 2 processes)
+
+hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce.
+
+Run (2 GPUs):
+  PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_gemm_allreduce.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+M = 757
+D = 9216
+# name: (K, N, row_parallel)
+SHAPES = {
+    "o": (4608, D, True),  # attention-out, K = 72 * 128 / 2
+    "down": (16128, D, True),  # MLP-down, K = 32256 / 2
+    "qkv": (D, 13824, False),  # column-parallel: 3 * 9216 / 2
+    "up": (D, 16128, False),  # column-parallel: 32256 / 2
+}
+
+
+# ----------------------------------------------------------------------------- torch
+def _torch_worker(rank, world, out_path, reps):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dev = torch.device("cuda", rank)
+    res = {}
+
+    def timed(fn, n=reps, repeats=5):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3 / n)
+        return statistics.median(ts)
+
+    for name, (k, n, row) in SHAPES.items():
+        x = torch.randn(M, k, device=dev).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, device=dev)).to(torch.float8_e4m3fn)
+        sa = torch.tensor(0.01, device=dev)
+        sb = torch.tensor(0.02, device=dev)
+        try:
+            mm = lambda: torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            y = mm()
+            ref = (x.float() @ w.float().t()) * 0.0002
+            err = ((y.float() - ref).norm() / ref.norm()).item()
+            res[f"{name}/torch_scaled_mm"] = {"us": timed(mm), "rel_err": err}
+        except Exception as e:  # noqa: BLE001
+            res[f"{name}/torch_scaled_mm"] = {"error": repr(e)[:300]}
+            continue
+        if row:
+            buf = torch.randn(M, n, device=dev, dtype=torch.bfloat16)
+            dist.barrier()
+            res[f"{name}/torch_allreduce"] = {"us": timed(lambda: dist.all_reduce(buf))}
+
+            def both():
+                out = torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                dist.all_reduce(out)
+
+            dist.barrier()
+            res[f"{name}/torch_mm+allreduce"] = {"us": timed(both)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_torch(out_dir, reps):
+    try:
+        import torch
+        import torch.multiprocessing as tmp
+    except ImportError:
+        return {"torch": {"error": "torch not installed"}}
+    if torch.cuda.device_count() < 2:
+        return {"torch": {"error": "needs 2 GPUs"}}
+    path = os.path.join(out_dir, "torch_raw.json")
+    tmp.spawn(_torch_worker, args=(2, path, reps), nprocs=2, join=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------- jax
+def run_jax(reps, repeats, only=None):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from characters_jax.parallel import row_parallel
+    from characters_jax.parallel.fp8_linear import fp8_dot
+    from pallas_kernels import fp8_gemm_allreduce as fused
+
+    devs = jax.devices()
+    tp = 2
+    mesh = Mesh(np.array(devs[:tp]), ("tp",))
+    mesh1 = Mesh(np.array(devs[:1]), ("tp",))
+    res = {}
+    seed = int(time.time_ns() % 2**31)
+    print(f"jax {jax.__version__} devices {devs} seed {seed}")
+
+    def poison():
+        """Fill (and free) device memory with NaN so unwritten outputs show."""
+        for d in devs[:tp]:
+            jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32), d).block_until_ready()
+
+    def bench(fn, args):
+        """Median microseconds per call of fn(*args), looped `reps` times in one jit."""
+        def looped(*a):
+            def body(i, carry):
+                a2 = lax.optimization_barrier((a, i))[0]
+                return fn(*a2)
+            out0 = jax.eval_shape(fn, *a)
+            init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out0)
+            return lax.fori_loop(0, reps, body, init)
+        jf = jax.jit(looped)
+        jax.block_until_ready(jf(*args))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(jf(*args))
+            ts.append((time.perf_counter() - t0) * 1e6 / reps)
+        return statistics.median(ts)
+
+    def rel_err(out, ref):
+        out = np.asarray(jax.device_get(out), np.float64)
+        ref = np.asarray(jax.device_get(ref), np.float64)
+        if not np.isfinite(out).all():
+            return float("nan")
+        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+    def record(key, fn, args, check=None):
+        try:
+            us = bench(fn, args)
+            entry = {"us": us}
+            if check is not None:
+                poison()
+                entry["rel_err"] = rel_err(jax.jit(fn)(*args), check)
+            res[key] = entry
+            print(f"{key:32s} {us:9.1f} us  {entry.get('rel_err', '')}")
+        except Exception as e:  # noqa: BLE001
+            res[key] = {"error": (type(e).__name__ + ": " + str(e))[:800]}
+            print(f"{key:32s} FAILED {res[key]['error'][:400]}")
+            traceback.print_exc(limit=3)
+
+    key = jax.random.key(seed)
+    for name, (k, n, row) in SHAPES.items():
+        if only and name not in only:
+            continue
+        key, kx, kw = jax.random.split(key, 3)
+        kk = k * tp if row else k
+        x = jax.random.normal(kx, (M, kk), jnp.float32)
+        w = jax.random.normal(kw, (n, kk), jnp.float32)
+        x8 = (x * 16).astype(jnp.float8_e4m3fn)
+        w8 = (w * 16).astype(jnp.float8_e4m3fn)
+        sx = jnp.float32(1 / 16)
+        sw = jnp.float32(1 / 32)
+        scale = sx * sw
+        flop = 2 * M * k * n
+
+        def gemm(x8, w8, acc):
+            return (fp8_dot(x8, w8, acc).astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+        # Single-device GEMM on this device's shard.
+        xl = jax.device_put(x8[:, :k], devs[0])
+        wl = jax.device_put(w8[:, :k], devs[0])
+        ref_local = (xl.astype(jnp.float32) @ wl.astype(jnp.float32).T) * scale
+        for acc_name, acc in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+            record(f"{name}/xla_fp8_gemm_{acc_name}", functools.partial(gemm, acc=acc),
+                   (xl, wl), ref_local)
+        res[f"{name}/flop"] = flop
+        if row:
+            record(f"{name}/pallas_fp8_gemm_tp1", jax.shard_map(
+                lambda a, b: fused.gemm_allreduce(a, b, sw, x_scale=sx, use_kernel=True),
+                mesh=mesh1, in_specs=(P(), P()), out_specs=P(), check_vma=False),
+                (xl, wl), ref_local)
+        if not row:
+            continue
+
+        # Row-parallel: shards over K on 2 devices.
+        spec = NamedSharding(mesh, P(None, "tp"))
+        xs = jax.device_put(x8, spec)
+        ws = jax.device_put(w8, spec)
+        ref = (x8.astype(jnp.float32) @ w8.astype(jnp.float32).T) * scale
+        smap = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
+                                       out_specs=P(), check_vma=False)
+        part = jax.device_put(jnp.zeros((M * tp, n), jnp.bfloat16) + 1, NamedSharding(mesh, P("tp")))
+        record(f"{name}/allreduce_psum", jax.shard_map(
+            lambda p: lax.psum(p, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P(),
+            check_vma=False), (part,))
+        record(f"{name}/allreduce_ppermute", jax.shard_map(
+            lambda p: row_parallel.reduce(p, method="ppermute"), mesh=mesh, in_specs=P("tp"),
+            out_specs=P(), check_vma=False), (part,))
+        record(f"{name}/gemm+psum", smap(
+            lambda a, b: lax.psum(gemm(a, b, jnp.float32), "tp")), (xs, ws), ref)
+
+        def ring(a, b):
+            mc = -(-M // tp)
+            ap = jnp.pad(a, ((0, mc * tp - M), (0, 0)))
+            chunk = lambda c: gemm(lax.dynamic_slice_in_dim(ap, c * mc, mc), b, jnp.float32)
+            return row_parallel._ring_all_reduce_rows(chunk, M, tp, "tp")
+
+        record(f"{name}/ppermute_ring", smap(ring), (xs, ws), ref)
+        record(f"{name}/fused_pallas", smap(
+            lambda a, b: fused.gemm_allreduce(a, b, sw, x_scale=sx, use_kernel=True)),
+            (xs, ws), ref)
+    return res
+
+
+def summarize(res):
+    rows = []
+    for name, (k, n, row) in SHAPES.items():
+        g = res.get(f"{name}/xla_fp8_gemm_f32", {}).get("us")
+        gb = res.get(f"{name}/xla_fp8_gemm_bf16", {}).get("us")
+        t = res.get(f"{name}/torch_scaled_mm", {}).get("us")
+        flop = 2 * M * k * n
+        line = {"shape": f"{name} {M}x{k}x{n}", "xla_gemm_us": g, "xla_gemm_bf16_us": gb,
+                "torch_mm_us": t}
+        best = min([v for v in (g, gb) if v] or [None]) if (g or gb) else None
+        if best and t:
+            line["xla_over_torch"] = best / t
+            line["xla_tflops"] = flop / best / 1e6
+            line["torch_tflops"] = flop / t / 1e6
+        if row:
+            ar = res.get(f"{name}/allreduce_psum", {}).get("us")
+            for v in ("gemm+psum", "ppermute_ring", "fused_pallas"):
+                tv = res.get(f"{name}/{v}", {}).get("us")
+                line[f"{v}_us"] = tv
+                if tv and g and ar:
+                    line[f"{v}_hidden"] = (g + ar - tv) / ar
+            line["allreduce_us"] = ar
+            line["pallas_tp1_us"] = res.get(f"{name}/pallas_fp8_gemm_tp1", {}).get("us")
+            line["torch_ar_us"] = res.get(f"{name}/torch_allreduce", {}).get("us")
+            line["torch_mm+ar_us"] = res.get(f"{name}/torch_mm+allreduce", {}).get("us")
+        rows.append(line)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--shrink", type=int, default=1, help="divide K and N (CPU smoke runs)")
+    args = ap.parse_args()
+    for name, (k, n, row) in list(SHAPES.items()):
+        SHAPES[name] = (k // args.shrink, n // args.shrink, row)
+    os.makedirs(args.out, exist_ok=True)
+    res = {}
+    if not args.skip_torch:
+        try:
+            res.update(run_torch(args.out, args.reps))
+        except Exception as e:  # noqa: BLE001
+            res["torch"] = {"error": repr(e)[:500]}
+            traceback.print_exc()
+    res.update(run_jax(args.reps, args.repeats, args.only))
+    rows = summarize(res)
+    with open(os.path.join(args.out, "gemm_allreduce.json"), "w") as f:
+        json.dump({"raw": res, "summary": rows}, f, indent=1)
+    print("\n==== summary (microseconds; hidden = share of the psum all-reduce hidden) ====")
+    for r in rows:
+        print(" | ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    errs = {k: v["rel_err"] for k, v in res.items() if isinstance(v, dict) and "rel_err" in v}
+    print("rel_err:", {k: round(v, 5) for k, v in errs.items()})
+    fails = {k: v["error"][:120] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    print("failures:", fails)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
