@@ -1,6 +1,7 @@
 """The KV cache: sink slots (reference image + prompt) followed by a ring of frames.
 
-Layout for every block, stacked over blocks: K and V `[L, S, H, D]`, per-head dequantization
+Layout for every block, stacked over blocks: K and V `[L, S, H, D]` (FP8 e4m3 held as its
+uint8 bit pattern, see `CacheLayout.storage_dtype`), per-head dequantization
 scales `[L, H]` float32, sharded over heads. S = sink_slots + ring_frames * T, where
 T = tokens_per_step (one latent frame plus its audio tokens).
 
@@ -80,9 +81,23 @@ class CacheLayout:
 
     @property
     def storage_dtype(self):
+        """FP8 values are stored as their uint8 bit patterns (`to_storage`): the same bytes,
+        but XLA:CPU updates a uint8 slice in place where it rewrites a whole float8 array."""
         if self.mode == "launch":
             return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
-        return {"fp8": FP8, "bf16": jnp.bfloat16, "float32": jnp.float32}[self.dtype]
+        return {"fp8": jnp.uint8, "bf16": jnp.bfloat16, "float32": jnp.float32}[self.dtype]
+
+    def to_storage(self, x: jax.Array) -> jax.Array:
+        """Values (float8 when quantized) -> stored dtype."""
+        if self.storage_dtype == jnp.uint8:
+            return jax.lax.bitcast_convert_type(x.astype(FP8), jnp.uint8)
+        return x.astype(self.storage_dtype)
+
+    def from_storage(self, x: jax.Array) -> jax.Array:
+        """Stored dtype -> values (float8_e4m3fn when quantized). A bitcast: free on GPU."""
+        if x.dtype == jnp.uint8:
+            return jax.lax.bitcast_convert_type(x, FP8)
+        return x
 
     @property
     def quantized(self) -> bool:
@@ -161,8 +176,8 @@ def write(layout: CacheLayout, cache: KVCache, layer: jax.Array, offset: jax.Arr
     if layout.quantized and layout.mode == "ring":
         k_new = quantize(k_new, cache.k_scale[layer])
         v_new = quantize(v_new, cache.v_scale[layer])
-    k_new = k_new.astype(layout.storage_dtype)[None]
-    v_new = v_new.astype(layout.storage_dtype)[None]
+    k_new = layout.to_storage(k_new)[None]
+    v_new = layout.to_storage(v_new)[None]
     zero = jnp.int32(0)
     start = (layer, offset, zero, zero)
     return dataclasses.replace(
@@ -179,8 +194,8 @@ def attention_operands(layout: CacheLayout, cache: KVCache, layer: jax.Array, sl
     re-quantized from the whole cache (launch); scales [H] float32 (ones when not FP8).
     slot_positions: [S, 3] int32 (used by launch only); valid: [S] bool.
     """
-    k = cache.k[layer]
-    v = cache.v[layer]
+    k = layout.from_storage(cache.k[layer])
+    v = layout.from_storage(cache.v[layer])
     if layout.mode == "ring":
         return k, v, cache.k_scale[layer], cache.v_scale[layer]
     k = apply_rope(k.astype(jnp.float32), slot_positions, freqs)
@@ -208,9 +223,9 @@ def rotate_ring(layout: CacheLayout, cache: KVCache, delta: jax.Array, freqs) ->
     def body(layer, k):
         ring = jax.lax.dynamic_slice_in_dim(k[layer], s, ring_slots, axis=0)  # [R, H, D]
         scale = cache.k_scale[layer]
-        x = dequantize(ring, scale) if layout.quantized else ring.astype(jnp.float32)
+        x = dequantize(layout.from_storage(ring), scale) if layout.quantized else ring.astype(jnp.float32)
         x = apply_rope(x, pos, freqs)
-        x = quantize(x, scale) if layout.quantized else x.astype(k.dtype)
+        x = layout.to_storage(quantize(x, scale) if layout.quantized else x)
         return jax.lax.dynamic_update_slice(k, x[None], (layer, jnp.int32(s), jnp.int32(0), jnp.int32(0)))
 
     return dataclasses.replace(cache, k=jax.lax.fori_loop(0, layout.num_blocks, body, cache.k))

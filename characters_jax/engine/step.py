@@ -107,12 +107,20 @@ class Engine:
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnames=("state",),
         )
-        self.cache_upkeep = jax.jit(
-            self._sharded(self._upkeep_local, (self.state_specs.cache.k,), out_specs=self.state_specs),
-            in_shardings=state_io["in_shardings"] + (self.state_shardings.cache.k,),
-            out_shardings=self.state_shardings,
-            donate_argnames=("state",),
-        )
+        self._upkeep_programs = {}
+
+    def cache_upkeep(self, steps: int = 1):
+        """The jitted program that runs `steps` steps' cache operations alone (one call):
+        (params, state, new_kv) -> (state, checksum)."""
+        if steps not in self._upkeep_programs:
+            fn = functools.partial(self._upkeep_local, steps=steps)
+            self._upkeep_programs[steps] = jax.jit(
+                self._sharded(fn, (self.state_specs.cache.k,), out_specs=(self.state_specs, P())),
+                in_shardings=(self.param_shardings, self.state_shardings, self.state_shardings.cache.k),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnames=("state",),
+            )
+        return self._upkeep_programs[steps]
 
     # ---- construction helpers -------------------------------------------------------------
     def _init_params(self, key):
@@ -230,29 +238,37 @@ class Engine:
         new_state = self._end_frame(state, cache, valid, slot_positions)
         return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
 
-    def _upkeep_local(self, params, state: StepState, new_kv):
-        """The step's cache operations alone (for measuring their share): reset, and per pass
-        and block the K/V write (RoPE + FP8 at write in ring mode) and what attention reads
-        (launch: RoPE + re-quantization of the whole cache), then the window shift.
+    def _upkeep_local(self, params, state: StepState, new_kv, *, steps: int):
+        """`steps` steps of the step's cache operations alone (for measuring their share):
+        reset, and per pass and block the K/V write (RoPE + FP8 at write in ring mode) and
+        what attention reads (launch: RoPE + re-quantization of the whole cache), then the
+        window shift. Several steps per call amortize the dispatch.
 
         new_kv: [L, T, H_local, D] stand-in new keys/values (same shapes as the step's).
         """
         layout = self.layout
         del params
-        state = self._reset_positions(state)
-        pos, offset, valid, slot_positions = self._begin_frame(state)
 
-        def body(layer, cache):
-            kv = new_kv[layer].astype(jnp.float32)
-            cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
-            operands = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs)
-            operands = jax.lax.optimization_barrier(operands)  # materialize what attention would read
-            return jax.lax.optimization_barrier(cache)
+        def one_step(_, carry):
+            state, checksum = carry
+            state = self._reset_positions(state)
+            pos, offset, valid, slot_positions = self._begin_frame(state)
 
-        cache = state.cache
-        for _ in range(self.cfg.sampler.num_passes):
-            cache = jax.lax.fori_loop(0, layout.num_blocks, body, cache)
-        return self._end_frame(state, cache, valid, slot_positions)
+            def body(layer, c):
+                cache, checksum = c
+                kv = new_kv[layer].astype(jnp.float32)
+                cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
+                k, v, _, _ = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs)
+                # Materialize what attention reads, and consume it so it is not dead code.
+                k, v, cache = jax.lax.optimization_barrier((k, v, cache))
+                return cache, checksum + k[-1, 0, 0].astype(jnp.float32) + v[-1, 0, 0].astype(jnp.float32)
+
+            cache = state.cache
+            for _ in range(self.cfg.sampler.num_passes):
+                cache, checksum = jax.lax.fori_loop(0, layout.num_blocks, body, (cache, checksum))
+            return self._end_frame(state, cache, valid, slot_positions), checksum
+
+        return jax.lax.fori_loop(0, steps, one_step, (state, jnp.float32(0.0)))
 
     # ---- host-side helpers (no device sync) ----------------------------------------------------
     def prompt_bucket(self, n: int) -> int:

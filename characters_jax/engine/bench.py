@@ -1,0 +1,212 @@
+"""`characters-jax bench`: time the step of a config on a mesh, in ring or launch mode.
+
+Compiles the step once (compile time reported), warms up, then times each step to its
+completion: p50/p90/p99/max, the position-reset steps separately, fps, effective TFLOP/s.
+Cache upkeep is measured by timing the step's cache operations alone (`Engine.cache_upkeep`,
+the same write / re-rotation / re-quantization / shift code the step runs) in the same
+process, as a share of the step. The bench syncs the host after each step to time it; the
+step itself never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+
+def percentiles(ms: list[float]) -> dict[str, float]:
+    a = np.asarray(ms, np.float64)
+    if a.size == 0:
+        return {}
+    return {
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+        "mean": float(a.mean()),
+        "n": int(a.size),
+    }
+
+
+def reset_steps(num_steps: int, ring_frames: int, reset_period: int) -> set[int]:
+    """Host-side replay of the position schedule: the step indices that pay a reset."""
+    out, t = set(), 1
+    for s in range(num_steps):
+        if t >= ring_frames + reset_period:
+            out.add(s)
+            t -= reset_period
+        t += 1
+    return out
+
+
+def _device_memory() -> dict:
+    import jax
+
+    stats = {}
+    for d in jax.local_devices():
+        try:
+            m = d.memory_stats() or {}
+        except Exception:  # some backends have no memory stats
+            m = {}
+        if m:
+            stats[str(d.id)] = {k: int(m[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in m}
+    return stats
+
+
+def run_bench(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from characters_jax.config import load_config
+    from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.engine.step import EngineOptions, count_params, step_flops
+
+    cfg = load_config(args.config)
+    cache = {"mode": args.mode}
+    if args.cache_dtype:
+        cache["dtype"] = args.cache_dtype
+    cfg = cfg.replace(cache=cache)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
+    log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
+
+    t0 = time.perf_counter()
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce))
+    jax.block_until_ready((gen.params, gen.state))
+    init_s = time.perf_counter() - t0
+    log(f"[bench] params and state on devices in {init_s:.1f} s")
+
+    engine = gen.engine
+    rng = np.random.default_rng(args.seed)
+    image = rng.standard_normal((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)).astype(np.float32)
+    prompt = list(rng.integers(0, cfg.model.prompt_vocab, size=min(48, cfg.cache.max_prompt_tokens)))
+    audio = jax.device_put(
+        rng.standard_normal((cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)).astype(np.float32), engine.replicated
+    )
+
+    t0 = time.perf_counter()
+    step_exe = engine.step.lower(gen.params, gen.state, audio).compile()
+    compile_s = time.perf_counter() - t0
+    log(f"[bench] step compiled in {compile_s:.1f} s")
+    mem = step_exe.memory_analysis()
+    memory = {}
+    if mem is not None:
+        memory = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes") if hasattr(mem, k)}
+
+    gen.start_session(image, prompt, seed=args.seed)
+    total = args.warmup + args.steps
+    resets = reset_steps(total, cfg.cache.ring_frames, cfg.cache.reset_period)
+    state = gen.state
+    times, reset_times = [], []
+    for s in range(total):
+        t0 = time.perf_counter()
+        state, latent = step_exe(gen.params, state, audio)
+        latent.block_until_ready()
+        dt = (time.perf_counter() - t0) * 1e3
+        if s >= args.warmup:
+            (reset_times if s in resets else times).append(dt)
+        if args.progress and (s + 1) % args.progress == 0:
+            log(f"[bench] step {s + 1}/{total}: {dt:.2f} ms")
+    finite = bool(np.isfinite(np.asarray(latent)).all())
+    gen.state = state
+
+    # Cache operations alone, same shapes, same process.
+    new_kv = engine.upkeep_inputs()
+    per_call = max(1, args.upkeep_steps_per_call)
+    up_exe = engine.cache_upkeep(per_call).lower(gen.params, state, new_kv).compile()
+    up_times = []
+    for s in range(args.warmup + max(5, args.steps // per_call)):
+        t0 = time.perf_counter()
+        state, checksum = up_exe(gen.params, state, new_kv)
+        checksum.block_until_ready()
+        if s >= args.warmup:
+            up_times.append((time.perf_counter() - t0) * 1e3 / per_call)
+    gen.state = state
+
+    step_ms = percentiles(times)
+    upkeep_ms = percentiles(up_times)
+    p50_s = step_ms["p50"] / 1e3
+    flops = step_flops(cfg)
+    result = {
+        "config": cfg.name,
+        "tp": args.tp,
+        "mode": cfg.cache.mode,
+        "cache_dtype": cfg.cache.dtype,
+        "weight_dtype": cfg.model.weight_dtype,
+        "attention": args.attention,
+        "reduce": args.reduce,
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in gen.mesh.devices.flat],
+        "params_billion": count_params(cfg) / 1e9,
+        "init_s": init_s,
+        "compile_s": compile_s,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_ms": step_ms,
+        "reset_step_ms": reset_times,
+        "fps": cfg.video.frames_per_step / p50_s,
+        "realtime_budget_ms": 1e3 * cfg.video.step_seconds,
+        "step_tflop": flops / 1e12,
+        "effective_tflops_per_device": flops / p50_s / 1e12 / args.tp,
+        "cache_upkeep_ms": upkeep_ms,
+        "cache_upkeep_share": upkeep_ms["p50"] / step_ms["p50"],
+        "compiled_memory": memory,
+        "device_memory": _device_memory(),
+        "latent_finite": finite,
+    }
+    return result
+
+
+def format_table(r: dict) -> str:
+    s, u = r["step_ms"], r["cache_upkeep_ms"]
+    rows = [
+        ("config / tp / mode / cache", f"{r['config']} / {r['tp']} / {r['mode']} / {r['cache_dtype']} ({r['backend']})"),
+        ("compile", f"{r['compile_s']:.2f} s"),
+        ("step p50 / p90 / p99 / max", f"{s['p50']:.2f} / {s['p90']:.2f} / {s['p99']:.2f} / {s['max']:.2f} ms  (n={s['n']})"),
+        ("reset steps", ", ".join(f"{t:.2f} ms" for t in r["reset_step_ms"]) or "none in window"),
+        ("fps (budget)", f"{r['fps']:.1f}  ({r['realtime_budget_ms']:.1f} ms/step for real time)"),
+        ("effective TFLOP/s per device", f"{r['effective_tflops_per_device']:.2f}  ({r['step_tflop']:.3f} TFLOP/step)"),
+        ("cache upkeep p50 (share)", f"{u['p50']:.2f} ms  ({100 * r['cache_upkeep_share']:.1f}% of the step)"),
+    ]
+    temp = r["compiled_memory"].get("temp_size_in_bytes")
+    if temp is not None:
+        rows.append(("step temporaries per device", f"{temp / 2**30:.3f} GiB"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _bench(args) -> int:
+    if args.steps < 1:
+        print("characters-jax bench: --steps must be >= 1", file=sys.stderr)
+        return 2
+    result = run_bench(args)
+    print(format_table(result))
+    if args.json:
+        path = pathlib.Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return 0 if result["latent_finite"] else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="time the step: percentiles, reset step, fps, cache-upkeep share")
+    p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
+    p.add_argument("--mode", choices=("ring", "launch"), default="ring", help="cache mode")
+    p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
+    p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | cudnn | xla")
+    p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas")
+    p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
+    p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--progress", type=int, default=0, help="log every N steps (0: off)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_bench)
