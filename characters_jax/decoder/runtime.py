@@ -1,0 +1,64 @@
+"""Compiled entry points of the VAE for one config: encode an image, decode a chunk.
+
+`VaeRuntime.decode(state, latent)` takes one latent frame [grid_h, grid_w, latent_channels]
+float32 and the session's temporal state, and returns frames [frames_per_step, H, W, 3]
+uint8 and the new state (donated: decoded in place). One program per config.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from characters_jax.config import Config
+from characters_jax.decoder.vae import ImageEncoder, VideoDecoder
+
+
+def to_uint8(video: jax.Array) -> jax.Array:
+    """[..., 3] float in [-1, 1] -> uint8 [0, 255]."""
+    return jnp.round((video + 1.0) * 127.5).astype(jnp.uint8)
+
+
+class VaeRuntime:
+    def __init__(self, cfg: Config, seed: int = 0):
+        self.config = cfg
+        decoder = VideoDecoder(cfg, rngs=nnx.Rngs(seed))
+        encoder = ImageEncoder(cfg, rngs=nnx.Rngs(seed + 1))
+        dec_def, self._dec_params = nnx.split(decoder)
+        enc_def, self._enc_params = nnx.split(encoder)
+        v, m = cfg.video, cfg.model
+        self.latent_shape = (v.grid_h, v.grid_w, m.latent_channels)
+
+        def _decode(params, state, z):
+            out, new = nnx.merge(dec_def, params)(z[None], state)
+            return to_uint8(out), new
+
+        def _encode(params, rgb):
+            x = rgb.astype(jnp.float32) / 127.5 - 1.0
+            return nnx.merge(enc_def, params)(x)
+
+        self._decode = jax.jit(_decode, donate_argnums=(1,))
+        self._encode = jax.jit(_encode)
+        shapes = jax.eval_shape(lambda p, z: nnx.merge(dec_def, p)(z[None], None)[1], self._dec_params, jax.ShapeDtypeStruct(self.latent_shape, jnp.float32))
+        self._state_shapes = shapes
+
+    def initial_state(self) -> list[jax.Array]:
+        """Empty temporal history: what a new session starts from."""
+        return [jnp.zeros(s.shape, s.dtype) for s in self._state_shapes]
+
+    def decode(self, state, latent) -> tuple[jax.Array, list[jax.Array]]:
+        """(state, latent [grid_h, grid_w, C] f32) -> (frames [frames_per_step, H, W, 3] uint8, state)."""
+        return self._decode(self._dec_params, state, jnp.asarray(latent, jnp.float32))
+
+    def encode(self, rgb: np.ndarray) -> jax.Array:
+        """rgb [H, W, 3] uint8 at the video size -> latent [grid_h, grid_w, latent_channels] f32."""
+        return self._encode(self._enc_params, jnp.asarray(rgb, jnp.uint8))
+
+    def warmup(self) -> None:
+        """Compiles both programs."""
+        v = self.config.video
+        self.encode(np.zeros((v.height, v.width, 3), np.uint8)).block_until_ready()
+        frames, _ = self.decode(self.initial_state(), np.zeros(self.latent_shape, np.float32))
+        frames.block_until_ready()

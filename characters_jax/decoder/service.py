@@ -1,0 +1,67 @@
+"""`DecoderService` over gRPC: one Decode stream per session holds that session's state.
+
+Runs in its own OS process (`characters-jax decode-serve`), pinned to its own device. The
+server starts listening only after both programs are compiled, so a client that waits for
+the channel to be ready gets a decoder that answers at full speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from characters_jax.decoder.runtime import VaeRuntime
+from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
+from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+
+log = logging.getLogger("characters_jax.decoder")
+
+
+class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
+    def __init__(self, runtime: VaeRuntime):
+        self.runtime = runtime
+        self._lock = threading.Lock()  # one device, one program at a time
+
+    def Decode(self, request_iterator, context):
+        rt = self.runtime
+        state = rt.initial_state()
+        session = ""
+        n = 0
+        for req in request_iterator:
+            session = req.session_id
+            try:
+                latent = tensor_from_proto(req.latent, rt.latent_shape)
+            except ValueError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latent: {err}")
+            t0 = time.perf_counter()
+            with self._lock:
+                frames, state = rt.decode(state, latent)
+                frames = np.asarray(frames)
+            ms = (time.perf_counter() - t0) * 1e3
+            n += 1
+            _, h, w, _ = frames.shape
+            yield decoder_pb2.FrameChunk(step_index=req.step_index, width=w, height=h, frames=[f.tobytes() for f in frames], decode_ms=ms)
+        log.info("decode stream ended", extra={"fields": {"session_id": session, "chunks": n}})
+
+    def Encode(self, request, context):
+        v = self.runtime.config.video
+        if (request.width, request.height) != (v.width, v.height) or len(request.rgb) != v.width * v.height * 3:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"image must be {v.width}x{v.height} RGB24 ({v.width * v.height * 3} bytes), got {request.width}x{request.height} with {len(request.rgb)} bytes")
+        rgb = np.frombuffer(request.rgb, np.uint8).reshape(v.height, v.width, 3)
+        with self._lock:
+            latent = np.asarray(self.runtime.encode(rgb))
+        return decoder_pb2.EncodeResponse(latent=tensor_to_proto(latent))
+
+
+def start_decoder_server(runtime: VaeRuntime, address: str) -> tuple[grpc.Server, int]:
+    """Starts serving on `address` (host:port, port 0 = any; or unix:PATH). Returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+    decoder_pb2_grpc.add_DecoderServiceServicer_to_server(DecoderServicer(runtime), server)
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, port

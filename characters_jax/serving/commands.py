@@ -1,0 +1,78 @@
+"""CLI sub-commands of the service: serve, decode-serve, talk, demo."""
+
+from __future__ import annotations
+
+
+def _serve(args) -> int:
+    from characters_jax.serving.logs import setup_logging
+    from characters_jax.serving.server import run_worker
+
+    setup_logging("worker", args.log_level)
+    return run_worker(args)
+
+
+def _decode_serve(args) -> int:
+    from characters_jax.serving.logs import setup_logging
+    from characters_jax.serving.server import run_decoder
+
+    setup_logging("decoder", args.log_level)
+    return run_decoder(args)
+
+
+def _talk(args) -> int:
+    from characters_jax.serving.talk import talk_command
+
+    return talk_command(args)
+
+
+def _demo(args) -> int:
+    from characters_jax.serving.demo import demo_command
+
+    return demo_command(args)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run a generator worker (CharacterService over gRPC)")
+    p.add_argument("--config", default="small", help="config name or .toml path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (diffusion devices)")
+    p.add_argument("--checkpoint", default=None, help="weights directory (random weights if absent)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any, -1: off)")
+    p.add_argument("--decoder", default=None, help="address of a running decoder (host:port or unix:PATH); default: start and supervise one")
+    p.add_argument("--decoder-device", default=None, help="CUDA_VISIBLE_DEVICES of the started decoder")
+    p.add_argument("--lead-chunks", type=int, default=3, help="how many chunks the step loop may run ahead of the client's playout")
+    p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds a READY session waits for Converse")
+    p.add_argument("--max-image-bytes", type=int, default=4 << 20)
+    p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_serve)
+
+    p = subparsers.add_parser("decode-serve", help="run the decoder process (DecoderService over gRPC)")
+    p.add_argument("--config", default="small")
+    p.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:PATH")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random VAE weights")
+    p.add_argument("--state-file", default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_decode_serve)
+
+    p = subparsers.add_parser("talk", help="talk to a worker: image + WAV in, MP4 out")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--image", required=True)
+    p.add_argument("--audio", required=True, help="WAV, 16 kHz mono s16le")
+    p.add_argument("--out", required=True, help="MP4 to write")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", default=None, help="also write the summary as JSON here")
+    p.add_argument("--fast", action="store_true", help="send the audio at once instead of at real-time pace")
+    p.set_defaults(func=_talk)
+
+    p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")
+    p.add_argument("--config", default="small")
+    p.add_argument("--out", default="out")
+    p.add_argument("--image", default=None)
+    p.add_argument("--audio", default=None)
+    p.add_argument("--prompt", default="a friendly character, talking")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.set_defaults(func=_demo)

@@ -1,0 +1,119 @@
+"""The worker's side of the decoder process: image encoding and one Decode stream per session.
+
+`DecoderLink.submit(step, latent)` queues a device latent; the stream's request iterator
+copies it to the host (this is where the worker waits for step n's compute, in the stream's
+thread, while the step loop has already dispatched step n + 1) and sends it. Decoded chunks
+come back on `on_chunk(step, frames, decode_ms, diffusion_ms)`; a failed stream calls
+`on_error(message)` once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
+from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+
+log = logging.getLogger("characters_jax.serving.decoder_link")
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class DecoderUnavailable(Exception):
+    pass
+
+
+class DecoderClient:
+    """A channel to the decoder process (host:port or unix:PATH)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = decoder_pb2_grpc.DecoderServiceStub(self.channel)
+
+    def encode(self, rgb: np.ndarray, latent_shape, timeout: float = 120.0) -> np.ndarray:
+        """rgb [H, W, 3] uint8 -> latent float32. Waits up to `timeout` for a (re)starting decoder.
+
+        Raises DecoderUnavailable."""
+        h, w, _ = rgb.shape
+        try:
+            resp = self.stub.Encode(decoder_pb2.EncodeRequest(width=w, height=h, rgb=rgb.tobytes()), timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise DecoderUnavailable(f"decoder at {self.address}: {err.code().name}: {err.details()}") from None
+        return tensor_from_proto(resp.latent, latent_shape)
+
+    def wait_ready(self, timeout: float) -> bool:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class DecoderLink:
+    def __init__(self, client: DecoderClient, session_id: str, on_chunk, on_error, on_end):
+        self._client = client
+        self._session_id = session_id
+        self._q: queue.Queue = queue.Queue()
+        self._on_chunk, self._on_error, self._on_end = on_chunk, on_error, on_end
+        self._timing: dict[int, float] = {}
+        self._prev_ready = 0.0
+        self._call = None
+        self._thread = threading.Thread(target=self._read, name=f"decoder-link-{session_id[:8]}", daemon=True)
+
+    def start(self) -> None:
+        self._call = self._client.stub.Decode(self._requests(), wait_for_ready=False)
+        self._thread.start()
+
+    def submit(self, step: int, latent) -> None:
+        self._q.put((step, latent, time.perf_counter()))
+
+    def finish(self) -> None:
+        """No more latents: the stream ends after the queued ones are decoded."""
+        self._q.put(None)
+
+    def cancel(self) -> None:
+        self._q.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _requests(self):
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            step, latent, t_dispatch = item
+            host = np.asarray(latent)  # waits for this step's compute
+            t_ready = time.perf_counter()
+            self._timing[step] = (t_ready - max(t_dispatch, self._prev_ready)) * 1e3
+            self._prev_ready = t_ready
+            yield decoder_pb2.LatentChunk(session_id=self._session_id, step_index=step, latent=tensor_to_proto(host))
+
+    def _read(self) -> None:
+        try:
+            for fc in self._call:
+                frames = [np.frombuffer(b, np.uint8).reshape(fc.height, fc.width, 3) for b in fc.frames]
+                self._on_chunk(fc.step_index, frames, fc.decode_ms, self._timing.pop(fc.step_index, 0.0))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED and self._call is not None and self._call.cancelled():
+                self._on_end()
+                return
+            self._on_error(f"decoder stream failed: {err.code().name}: {err.details()}")
+            return
+        except Exception as err:  # never let a bad chunk kill the thread silently
+            log.exception("decoder link error")
+            self._on_error(f"decoder stream failed: {type(err).__name__}: {err}")
+            return
+        self._on_end()

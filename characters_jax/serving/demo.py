@@ -1,0 +1,73 @@
+"""`characters-jax demo`: the whole stack on localhost in one command.
+
+Starts the generator worker (which starts and supervises its decoder process), waits until
+it is ready, runs the client with the bundled portrait and speech clip at real-time pace,
+writes out/demo.mp4 and out/demo_report.json, prints the summary, and shuts the worker
+down with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from characters_jax.serving import assets
+from characters_jax.serving.server import child_env
+
+
+def demo_command(args) -> int:
+    from characters_jax.audio.pcm import read_wav
+    from characters_jax.audio.timeline import Timeline
+    from characters_jax.config import load_config
+    from characters_jax.serving.mp4 import probe_mp4
+    from characters_jax.serving.talk import print_summary, run_talk
+
+    cfg = load_config(args.config)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    image, audio = pathlib.Path(args.image or assets.PORTRAIT), pathlib.Path(args.audio or assets.SPEECH)
+    mp4, report_path, log_path = out_dir / "demo.mp4", out_dir / "demo_report.json", out_dir / "worker.log"
+    t0 = time.monotonic()
+    print(f"demo: config {cfg.name}, random weights (no checkpoint); worker log -> {log_path}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="characters-demo-") as tmp:
+        state_file = pathlib.Path(tmp) / "worker.json"
+        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file)]
+        with open(log_path, "w") as log:
+            worker = subprocess.Popen(argv, env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
+            try:
+                print("demo: starting the worker and its decoder process (compiling)...", flush=True)
+                while not state_file.exists():
+                    if worker.poll() is not None:
+                        print(f"demo: the worker exited with code {worker.returncode}; see {log_path}", file=sys.stderr)
+                        return 1
+                    if time.monotonic() - t0 > args.startup_timeout:
+                        print(f"demo: the worker was not ready after {args.startup_timeout} s; see {log_path}", file=sys.stderr)
+                        return 1
+                    time.sleep(0.2)
+                state = json.loads(state_file.read_text())
+                ready_s = time.monotonic() - t0
+                print(f"demo: worker ready in {ready_s:.1f} s on port {state['port']} (metrics on {state['metrics_port']}); streaming {audio.name} at real-time pace", flush=True)
+                summary = run_talk(f"127.0.0.1:{state['port']}", image, audio, mp4, prompt=args.prompt, seed=1)
+            finally:
+                if worker.poll() is None:
+                    worker.send_signal(signal.SIGTERM)
+                    try:
+                        worker.wait(30)
+                    except subprocess.TimeoutExpired:
+                        worker.kill()
+                        worker.wait()
+    samples, fmt = read_wav(str(audio))
+    expected = Timeline.from_config(cfg).steps_for(len(samples)) * cfg.video.frames_per_step
+    probe = probe_mp4(mp4)
+    report = {"config": cfg.name, "weights": "random", "worker_ready_s": round(ready_s, 2), "total_s": round(time.monotonic() - t0, 2), "expected_frames": expected, "mp4": probe, "worker_exit_code": worker.returncode, **summary}
+    report_path.write_text(json.dumps(report, indent=2))
+    print(f"demo: wrote {mp4} ({probe['video_frames']} frames {probe['width']}x{probe['height']}, {probe['audio_seconds']:.2f} s audio) and {report_path}")
+    print_summary(summary)
+    ok = probe["video_frames"] == expected and probe["audio_streams"] == 1 and worker.returncode == 0 and summary.get("session_state") == "COMPLETED"
+    print("demo: OK" if ok else "demo: FAILED (see the report)")
+    return 0 if ok else 1

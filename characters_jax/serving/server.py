@@ -1,0 +1,192 @@
+"""Process entry points: the generator worker (`serve`) and the decoder (`decode-serve`).
+
+The worker: loads the config and the generator, starts (and supervises) its decoder process
+unless given one, compiles everything once, then serves CharacterService + grpc.health.v1 +
+reflection on one port and Prometheus metrics on another. It writes a small JSON state file
+(ports, pids) when ready. SIGTERM (or SIGINT) ends the live session as CANCELLED, then stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+log = logging.getLogger("characters_jax.serving.server")
+
+SERVICE_NAME = "characters.v1.CharacterService"
+SERVER_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20), ("grpc.so_reuseport", 0)]
+
+
+def child_env(device_count: int = 1, cuda_device: str | None = None) -> dict[str, str]:
+    """This process's environment with its own XLA host device count (and GPU, if given)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={device_count}".strip()
+    if cuda_device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_device
+    return env
+
+
+def _write_json(path: str | None, data: dict) -> None:
+    if not path:
+        return
+    tmp = pathlib.Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _wait_for_stop() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum, _frame):
+        log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name}})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def run_decoder(args) -> int:
+    """`decode-serve`: compile, then serve DecoderService until SIGTERM."""
+    from characters_jax.config import load_config
+    from characters_jax.decoder.runtime import VaeRuntime
+    from characters_jax.decoder.service import start_decoder_server
+
+    stop = _wait_for_stop()
+    cfg = load_config(args.config)
+    t0 = time.perf_counter()
+    rt = VaeRuntime(cfg, seed=args.seed)
+    rt.warmup()
+    server, port = start_decoder_server(rt, args.listen)
+    if port == 0:
+        log.error("could not bind", extra={"fields": {"listen": args.listen}})
+        return 1
+    import jax
+
+    log.info("decoder ready", extra={"fields": {"listen": args.listen, "port": port, "config": cfg.name, "device": str(jax.devices()[0]), "startup_s": round(time.perf_counter() - t0, 2)}})
+    _write_json(args.state_file, {"port": port, "pid": os.getpid()})
+    stop.wait()
+    server.stop(grace=1).wait()
+    log.info("decoder stopped")
+    return 0
+
+
+def _warmup(generator, frontend, cfg, metrics) -> None:
+    """Compiles the prefill of every prompt bucket and the step, so sessions never compile."""
+    import numpy as np
+
+    v, m = cfg.video, cfg.model
+    latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
+    for n in cfg.cache.prompt_buckets:
+        generator.start_session(latent, [32] * n, 0)
+    tokens = frontend.tokens(np.zeros(frontend.spec.window_samples, np.float32))
+    generator.step(tokens).block_until_ready()
+    metrics.refresh_device_stats(generator)
+
+
+def run_worker(args) -> int:
+    """`serve`: the generator worker."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from characters_jax.audio.features import AudioFrontEnd
+    from characters_jax.audio.timeline import Timeline
+    from characters_jax.config import load_config
+    from characters_jax.protos_gen import characters_pb2, characters_pb2_grpc
+    from characters_jax.serving.decoder_link import DecoderClient
+    from characters_jax.serving.images import ImageLimits
+    from characters_jax.serving.metrics import WorkerMetrics
+    from characters_jax.serving.session import SessionTable
+    from characters_jax.serving.supervisor import Supervisor
+    from characters_jax.serving.worker import CharacterServicer, WorkerContext, WorkerOptions
+
+    stop = _wait_for_stop()
+    t_start = time.perf_counter()
+    cfg = load_config(args.config)
+    cfg.validate_tp(args.tp)
+    metrics = WorkerMetrics()
+    metrics.count_compiles()
+    state: dict = {"pid": os.getpid(), "config": cfg.name}
+
+    supervisor = None
+    tmpdir = None
+    if args.decoder:
+        decoder_address = args.decoder
+    else:
+        tmpdir = tempfile.TemporaryDirectory(prefix="characters-decoder-")
+        decoder_address = f"unix:{tmpdir.name}/decoder.sock"
+        argv = [sys.executable, "-m", "characters_jax.cli", "decode-serve", "--config", args.config, "--listen", decoder_address, "--seed", str(args.seed)]
+
+        def on_start(pid, restarts):
+            state.update(decoder_pid=pid, decoder_restarts=restarts)
+            if state.get("port"):
+                _write_json(args.state_file, state)
+
+        supervisor = Supervisor("decoder", argv, env=child_env(1, args.decoder_device), on_start=on_start)
+        supervisor.start()
+    state["decoder_address"] = decoder_address
+
+    from characters_jax.engine.generator import DiTGenerator
+
+    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed)
+    frontend = AudioFrontEnd(cfg)
+    _warmup(generator, frontend, cfg, metrics)
+    decoder = DecoderClient(decoder_address)
+    ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
+
+    health_servicer = health.HealthServicer()
+
+    def on_change(rec, old, idle):
+        metrics.set_state(old, rec.state)
+        if not servicer.shutting_down.is_set():
+            health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if idle else health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("session state", extra={"fields": {"session_id": rec.session_id, "from": old, "to": rec.state, "code": rec.status_code.name, "reason": rec.status_message}})
+
+    options = WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
+    servicer = CharacterServicer(ctx, options, SessionTable(on_change))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
+    characters_pb2_grpc.add_CharacterServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (characters_pb2.DESCRIPTOR.services_by_name["CharacterService"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        log.error("could not bind", extra={"fields": {"host": args.host, "port": args.port}})
+        return 1
+    metrics_port = metrics.serve_http(args.metrics_port) if args.metrics_port >= 0 else None
+
+    log.info("waiting for the decoder", extra={"fields": {"decoder": decoder_address}})
+    while not decoder.wait_ready(1.0):
+        if stop.is_set():
+            return 0
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    server.start()
+    state.update(port=port, metrics_port=metrics_port)
+    _write_json(args.state_file, state)
+    log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": round(time.perf_counter() - t_start, 2), "checkpoint": args.checkpoint or "random weights"}})
+
+    stop.wait()
+    log.info("shutting down")
+    servicer.shutdown()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=3).wait()
+    if supervisor is not None:
+        supervisor.stop()
+    decoder.close()
+    if tmpdir is not None:
+        tmpdir.cleanup()
+    log.info("worker stopped")
+    return 0

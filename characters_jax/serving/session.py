@@ -1,0 +1,99 @@
+"""Session records and the worker's single session slot.
+
+A `SessionRecord` moves NOT_READY -> READY -> RUNNING -> COMPLETED | FAILED | CANCELLED
+(READY may also end CANCELLED or FAILED). The `SessionTable` holds at most one live session
+(a second gets `SlotBusy` -> RESOURCE_EXHAUSTED) and the last finished ones for GetSession.
+State changes call the table's listener (health status and metrics).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Callable
+
+import grpc
+
+LIVE = ("NOT_READY", "READY", "RUNNING")
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+_NEXT = {
+    "NOT_READY": ("READY", "FAILED", "CANCELLED"),
+    "READY": ("RUNNING", "FAILED", "CANCELLED"),
+    "RUNNING": TERMINAL,
+}
+
+
+class SlotBusy(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class SessionRecord:
+    """Mutable record of one session; fields change only under the table's lock."""
+
+    session_id: str
+    seed: int
+    prompt_tokens: int
+    created_unix_ms: int
+    state: str = "NOT_READY"
+    status_code: grpc.StatusCode = grpc.StatusCode.OK
+    status_message: str = ""
+    steps: int = 0
+    frames: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+
+class SessionTable:
+    def __init__(self, on_change: Callable[[SessionRecord, str | None, bool], None], keep_finished: int = 64):
+        """on_change(record, old_state, worker_idle) is called after every state change."""
+        self._lock = threading.Lock()
+        self._live: SessionRecord | None = None
+        self._finished: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
+        self._keep = keep_finished
+        self._on_change = on_change
+
+    def reserve(self, seed: int, prompt_tokens: int) -> SessionRecord:
+        """Takes the slot with a NOT_READY session. Raises SlotBusy."""
+        with self._lock:
+            if self._live is not None:
+                raise SlotBusy(f"this worker is serving session {self._live.session_id} ({self._live.state}); one session per worker")
+            rec = SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000))
+            self._live = rec
+        self._on_change(rec, None, False)
+        return rec
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        with self._lock:
+            if self._live is not None and self._live.session_id == session_id:
+                return self._live
+            return self._finished.get(session_id)
+
+    @property
+    def live(self) -> SessionRecord | None:
+        with self._lock:
+            return self._live
+
+    def transition(self, rec: SessionRecord, new: str, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "") -> bool:
+        """Moves rec to `new` if allowed from its current state; returns whether it moved.
+
+        Entering a terminal state frees the slot."""
+        with self._lock:
+            old = rec.state
+            if new not in _NEXT.get(old, ()):
+                return False
+            rec.state, rec.status_code, rec.status_message = new, code, message
+            idle = False
+            if new in TERMINAL and self._live is rec:
+                self._live = None
+                self._finished[rec.session_id] = rec
+                while len(self._finished) > self._keep:
+                    self._finished.popitem(last=False)
+                idle = True
+        self._on_change(rec, old, idle)
+        return True

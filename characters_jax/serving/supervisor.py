@@ -1,0 +1,75 @@
+"""Keeps a child process running: restarts it when it exits, until stopped.
+
+Used by the worker for its decoder process. The child gets PR_SET_PDEATHSIG so that it
+never outlives the worker, even when the worker is killed hard.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Sequence
+
+log = logging.getLogger("characters_jax.serving.supervisor")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Supervisor:
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, on_start: Callable[[int, int], None] | None = None, restart_delay_s: float = 0.5, max_delay_s: float = 10.0):
+        """on_start(pid, restarts) is called each time the child starts."""
+        self.name, self.argv, self.env = name, list(argv), env
+        self.on_start = on_start
+        self.restart_delay_s, self.max_delay_s = restart_delay_s, max_delay_s
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"supervise-{name}", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        p = self._proc
+        return p.pid if p is not None else None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        delay = self.restart_delay_s
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            self._proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
+            log.info("child started", extra={"fields": {"child": self.name, "child_pid": self._proc.pid, "restarts": self.restarts}})
+            if self.on_start:
+                self.on_start(self._proc.pid, self.restarts)
+            rc = self._proc.wait()
+            if self._stop.is_set():
+                break
+            log.warning("child exited; restarting", extra={"fields": {"child": self.name, "rc": rc, "delay_s": delay}})
+            self.restarts += 1
+            if time.monotonic() - t0 > 30:
+                delay = self.restart_delay_s  # it ran a while: not a crash loop
+            self._stop.wait(delay)
+            delay = min(delay * 2, self.max_delay_s)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminates the child (SIGTERM, then SIGKILL after `timeout`) and stops restarting."""
+        self._stop.set()
+        p = self._proc
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._thread.join(timeout)
