@@ -106,7 +106,9 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         out_ref, *recv = refs
         recv_ref = recv[0] if recv else None
         wg = lax.axis_index("wg")
-        dev = lax.axis_index(axis_name)
+        # Only a kernel that talks to peers may name the mesh axis: a mesh-axis
+        # index marks the kernel as collective (and links NVSHMEM).
+        dev = lax.axis_index(axis_name) if tp > 1 else None
         block = lax.axis_index("cluster_grid")
         done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tp > 1 else None
 
