@@ -21,13 +21,29 @@ def to_uint8(video: jax.Array) -> jax.Array:
     return jnp.round((video + 1.0) * 127.5).astype(jnp.uint8)
 
 
+def init_module(make, seed: int):
+    """Random weights drawn on the host (numpy): no device program per parameter shape.
+
+    Conv kernels [kt, kh, kw, cin, cout] ~ N(0, 1 / fan_in), biases 0. Returns (graphdef, params).
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = str(path[-1])
+        if "bias" in name or len(leaf.shape) < 2:
+            return jnp.zeros(leaf.shape, leaf.dtype)
+        fan_in = int(np.prod(leaf.shape[:-1]))
+        return jnp.asarray(rng.standard_normal(leaf.shape, np.float32) / np.sqrt(fan_in), leaf.dtype)
+
+    return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
+
+
 class VaeRuntime:
     def __init__(self, cfg: Config, seed: int = 0):
         self.config = cfg
-        decoder = VideoDecoder(cfg, rngs=nnx.Rngs(seed))
-        encoder = ImageEncoder(cfg, rngs=nnx.Rngs(seed + 1))
-        dec_def, self._dec_params = nnx.split(decoder)
-        enc_def, self._enc_params = nnx.split(encoder)
+        dec_def, self._dec_params = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
+        enc_def, self._enc_params = init_module(lambda: ImageEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
         v, m = cfg.video, cfg.model
         self.latent_shape = (v.grid_h, v.grid_w, m.latent_channels)
 

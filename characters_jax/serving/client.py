@@ -108,6 +108,7 @@ class CharacterClient:
         *,
         fps: int = 24,
         realtime: bool = True,
+        send_realtime: bool | None = None,
         chunk_ms: int = 20,
         sample_rate: int = 16000,
         channels: int = 1,
@@ -120,8 +121,9 @@ class CharacterClient:
         """Streams `pcm` (int16 mono samples, or raw bytes sent as they are) and collects the video.
 
         realtime: send audio at its real pace and play out at `fps` (else: send at once,
-        count frames as played on arrival). stop_after_chunks: cancel the RPC after that many
+        count frames as played on arrival); send_realtime overrides the sending half. stop_after_chunks: cancel the RPC after that many
         chunks (a client that goes away). Raises grpc.RpcError on a non-OK status."""
+        send_realtime = realtime if send_realtime is None else send_realtime
         data = pcm if isinstance(pcm, (bytes, bytearray)) else np.asarray(pcm, "<i2").tobytes()
         bytes_per_sample = 2 * max(channels, 1)
         step_bytes = max(bytes_per_sample, int(sample_rate * chunk_ms / 1000) * bytes_per_sample)
@@ -141,7 +143,7 @@ class CharacterClient:
             for off in range(0, len(data), step_bytes):
                 if done.is_set():
                     return
-                if realtime:
+                if send_realtime:
                     due = t0 + off / bytes_per_sample / sample_rate
                     while True:  # the microphone's pace; playout reports go out meanwhile
                         wait = due - time.monotonic()

@@ -63,9 +63,9 @@ class LiveSession:
             self._stepper.join(timeout=10)
         if state != "COMPLETED":
             self.link.cancel()
+        self.ctx.metrics.refresh_device_stats(self.ctx.generator)
         self.table.transition(self.rec, state, code, message)
         self.out.put(("end", state, code, message))
-        self.ctx.metrics.refresh_device_stats(self.ctx.generator)
         log.info("session ended", extra=self.fields(state=state, code=code.name, reason=message, steps=self.rec.steps, frames=self.rec.frames))
 
     @property
