@@ -78,6 +78,11 @@ def is_supported() -> bool:
         return False
 
 
+def fits(k: int, n: int, config: Config = Config()) -> bool:
+    """Whether a [*, K] x [N, K] product tiles with ``config`` (M is padded)."""
+    return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
+
+
 def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config):
     """Launches the Mosaic GPU kernel; returns (own partial [Mp, N], received [tp-1, Mp, N] or None)."""
     from jax.experimental import pallas as pl

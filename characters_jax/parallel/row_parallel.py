@@ -38,16 +38,27 @@ from characters_jax.parallel.fp8_linear import Fp8Weight, fp8_dot, linear, quant
 METHODS = ("psum", "ppermute", "pallas", "auto")
 
 
-def resolve_method(method: str, backend: str | None = None) -> str:
-    """Maps 'auto' to a concrete method for the backend; checks the name.
+def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
+    """Maps 'auto' to a concrete method for the backend (and operands); checks the name.
 
-    'auto' is 'psum' everywhere until the fused kernel is the measured winner on
-    the backend (BUILD_NOTES.md, "FP8 GEMM + all-reduce (issue 5)").
+    'auto' picks the fused kernel ('pallas') for a single FP8 pair with a
+    per-tensor scale and tileable shapes on NVIDIA Hopper, where it measured
+    faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM + all-reduce (issue 5)");
+    'psum' everywhere else.  Several pairs stay on 'psum' until the kernel's
+    addend path has been timed on the GPU.
     """
     if method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
     if method != "auto":
         return method
+    if (backend or jax.default_backend()) != "gpu" or pairs is None or len(pairs) != 1:
+        return "psum"
+    from pallas_kernels import fp8_gemm_allreduce
+
+    x, w = pairs[0]
+    if (isinstance(w, Fp8Weight) and not w.per_channel and fp8_gemm_allreduce.is_supported()
+            and fp8_gemm_allreduce.fits(x.shape[1], w.shape[0])):
+        return "pallas"
     return "psum"
 
 
@@ -169,7 +180,7 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     pairs = _as_pairs(x_shard, w_shard)
     _check_pairs(pairs)
     out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
-    method = resolve_method(method, jax.default_backend())
+    method = resolve_method(method, jax.default_backend(), pairs)
     if method == "psum":
         return lax.psum(local_partial(pairs, out_dtype), axis_name)
     if method == "ppermute":
