@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
 
-.PHONY: venv protos test demo bench-tiny clean
+.PHONY: venv protos test demo demo-assets bench-tiny clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 2; fi
@@ -24,8 +24,14 @@ protos: $(STAMP)
 test: protos
 	$(PY) -m pytest -q -x --durations=15 tests
 
+# The whole service on localhost (decoder process, generator worker, client): writes
+# out/demo.mp4 and out/demo_report.json. Inputs are the bundled, project-made assets.
 demo: protos
-	$(PY) -m characters_jax.cli demo --config small
+	$(PY) -m characters_jax.cli demo --config small --out out
+
+# Regenerates the bundled portrait and speech clip (deterministic; committed).
+demo-assets: $(STAMP)
+	$(PY) -m characters_jax.serving.assets
 
 bench-tiny: $(STAMP)
 	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --mode ring --steps 50

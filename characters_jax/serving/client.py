@@ -113,7 +113,7 @@ class CharacterClient:
         sample_rate: int = 16000,
         channels: int = 1,
         encoding: int = pb.AudioFormat.PCM_S16LE,
-        prebuffer_frames: int = 4,
+        prebuffer_frames: int = 8,
         on_chunk=None,
         stop_after_chunks: int | None = None,
         timeout: float | None = None,
