@@ -105,6 +105,13 @@ def test_estimated_playout_clock_paces_without_reports():
     assert 0.16 < time.monotonic() - t0 < 0.5
 
 
+def test_silent_client_stalls_instead_of_holding_the_worker():
+    sig = SessionSignals(fps=24, frames_per_step=4, playout_reports=True, audio_timeout_s=0.2)
+    t0 = time.monotonic()
+    assert sig.wait_for_step(0, 2666, lambda n: 1, lead=3) == "stalled"
+    assert 0.15 < time.monotonic() - t0 < 1.0
+
+
 def test_playout_clock_counts_underruns():
     reports = []
     clock = PlayoutClock(fps=100, prebuffer_frames=2, on_report=lambda p, u: reports.append((p, u)))

@@ -44,6 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--decoder-device", default=None, help="CUDA_VISIBLE_DEVICES of the started decoder")
     p.add_argument("--lead-chunks", type=int, default=3, help="how many chunks the step loop may run ahead of the client's playout")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds a READY session waits for Converse")
+    p.add_argument("--audio-timeout", type=float, default=30.0, help="seconds without audio (and no end_of_audio) before a running session fails")
     p.add_argument("--max-image-bytes", type=int, default=4 << 20)
     p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
     p.add_argument("--log-level", default="info")

@@ -107,6 +107,10 @@ class LiveSession:
                 r = sig.wait_for_step(s, tl.step_span(s)[1], tl.steps_for, self.lead)
                 if r == "cancelled":
                     return
+                if r == "stalled":
+                    msg = f"client idle: no audio (or no playout report) for {sig.audio_timeout_s:g} s and no end_of_audio"
+                    threading.Thread(target=self.finish, args=("FAILED", grpc.StatusCode.DEADLINE_EXCEEDED, msg), daemon=True).start()
+                    return
                 if r == "done":
                     self.link.finish()
                     return

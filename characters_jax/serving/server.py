@@ -154,7 +154,7 @@ def run_worker(args) -> int:
             health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if idle else health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("session state", extra={"fields": {"session_id": rec.session_id, "from": old, "to": rec.state, "code": rec.status_code.name, "reason": rec.status_message}})
 
-    options = WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
+    options = WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, audio_timeout_s=args.audio_timeout, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
     servicer = CharacterServicer(ctx, options, SessionTable(on_change))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
     characters_pb2_grpc.add_CharacterServiceServicer_to_server(servicer, server)

@@ -15,8 +15,10 @@ import numpy as np
 
 
 class SessionSignals:
-    def __init__(self, fps: int, frames_per_step: int, playout_reports: bool):
+    def __init__(self, fps: int, frames_per_step: int, playout_reports: bool, audio_timeout_s: float = 30.0):
         self.cond = threading.Condition()
+        self.audio_timeout_s = audio_timeout_s
+        self.last_audio = self.last_report = time.monotonic()
         self._pcm = bytearray()
         self.audio_ended = False
         self.cancelled = False
@@ -32,6 +34,7 @@ class SessionSignals:
     def add_audio(self, pcm: bytes) -> None:
         with self.cond:
             self._pcm += pcm
+            self.last_audio = time.monotonic()
             self.cond.notify_all()
 
     def end_audio(self) -> None:
@@ -44,6 +47,7 @@ class SessionSignals:
         with self.cond:
             new = max(0, underruns - self.underruns)
             self.frames_played = max(self.frames_played, frames_played)
+            self.last_report = time.monotonic()
             self.underruns = max(self.underruns, underruns)
             self.cond.notify_all()
             return new
@@ -84,7 +88,8 @@ class SessionSignals:
         return frames / self.frames_per_step
 
     def wait_for_step(self, step: int, end_sample: int, total_steps_if_ended, lead: int) -> str:
-        """Blocks until step `step` may run. Returns "run", "done" (audio over) or "cancelled".
+        """Blocks until step `step` may run. Returns "run", "done" (audio over), "cancelled", or
+        "stalled" (no audio, or no playout report, for audio_timeout_s while the step waits for it).
 
         total_steps_if_ended(samples) -> steps needed once the audio has ended.
         """
@@ -101,7 +106,17 @@ class SessionSignals:
                 if audio_ok and ahead < lead:
                     return "run"
                 timeout = None
-                if audio_ok and not self.playout_reports and self.first_chunk_time is not None:
+                if not audio_ok:
+                    idle = now - self.last_audio
+                    if idle >= self.audio_timeout_s:
+                        return "stalled"
+                    timeout = self.audio_timeout_s - idle
+                elif self.playout_reports:  # a client that stops reporting must not hold the worker
+                    idle = now - self.last_report
+                    if idle >= self.audio_timeout_s:
+                        return "stalled"
+                    timeout = self.audio_timeout_s - idle
+                elif self.first_chunk_time is not None:
                     # estimated clock: wake when it has advanced enough
                     timeout = max(0.001, (ahead - lead + 1e-3) * self.frames_per_step / self.fps)
                 self.cond.wait(timeout)

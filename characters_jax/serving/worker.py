@@ -36,6 +36,7 @@ _ENCODINGS = {pb.AudioFormat.PCM_S16LE: "s16le", pb.AudioFormat.PCM_F32LE: "f32l
 class WorkerOptions:
     lead_chunks: int = 3  # bound on how far the step loop runs ahead of the client's playout clock
     ready_timeout_s: float = 60.0  # a READY session with no Converse is cancelled after this
+    audio_timeout_s: float = 30.0  # a running session that gets no audio (and no end) for this long fails
     encode_timeout_s: float = 120.0  # waiting for a (re)starting decoder to encode the image
     image_limits: ImageLimits = ImageLimits()
 
@@ -161,7 +162,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         except AudioFormatError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         v = self.ctx.config.video
-        signals = SessionSignals(v.fps, v.frames_per_step, start.playout_reports)
+        signals = SessionSignals(v.fps, v.frames_per_step, start.playout_reports, self.options.audio_timeout_s)
         live = LiveSession(rec, self.table, self.ctx, signals, self.options.lead_chunks)
         with self._live_lock:
             if not self.table.transition(rec, "RUNNING"):
