@@ -255,6 +255,24 @@ def test_twenty_sessions_do_not_grow_programs_or_memory(worker):
     assert seen[-1][0] > 0 and seen[-1][1] > 0 and seen[-1][2] > 0, seen
 
 
+def test_talk_command(worker, tmp_path):
+    from characters_jax.audio.pcm import write_wav
+    from characters_jax.serving.mp4 import probe_mp4
+
+    (tmp_path / "face.png").write_bytes(png())
+    write_wav(tmp_path / "ok.wav", speech(0.5))
+    write_wav(tmp_path / "bad.wav", speech(0.5), sample_rate=44100)
+    base = [sys.executable, "-m", "characters_jax.cli", "talk", "--server", worker.address, "--image", str(tmp_path / "face.png"), "--fast"]
+    bad = subprocess.run(base + ["--audio", str(tmp_path / "bad.wav"), "--out", str(tmp_path / "bad.mp4")], capture_output=True, text=True, timeout=120, env=child_env(1))
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "44100" in bad.stderr
+    worker.wait_idle(timeout=2)  # talk closed the session the worker refused to stream
+    ok = subprocess.run(base + ["--audio", str(tmp_path / "ok.wav"), "--out", str(tmp_path / "ok.mp4"), "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120, env=child_env(1))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "sustained fps" in ok.stdout and json.loads((tmp_path / "r.json").read_text())["session_state"] == "COMPLETED"
+    probe = probe_mp4(tmp_path / "ok.mp4")
+    assert probe["video_frames"] == 4 * TL.steps_for(8000) and probe["audio_streams"] == 1
+
+
 def test_sigterm_cancels_the_live_session_and_stops(worker):
     s = worker.client.create_session(png())
     decoder_pid = worker.state()["decoder_pid"]

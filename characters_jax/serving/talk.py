@@ -33,7 +33,14 @@ def run_talk(address: str, image_path, audio_path, out_path, *, prompt: str = ""
             if progress and (n % fps == 0):
                 print(f"  {n / fps:5.1f} s of video  step {c.step_index:4d}  diffusion {c.diffusion_ms:6.1f} ms  decode {c.decode_ms:6.1f} ms", file=progress, flush=True)
 
-        result = client.converse(session.session_id, samples.tobytes(), fps=fps, realtime=realtime, sample_rate=fmt.sample_rate_hz, channels=fmt.channels, encoding=_ENC.get(fmt.encoding, pb.AudioFormat.ENCODING_UNSPECIFIED), on_chunk=on_chunk)
+        try:
+            result = client.converse(session.session_id, samples.tobytes(), fps=fps, realtime=realtime, sample_rate=fmt.sample_rate_hz, channels=fmt.channels, encoding=_ENC.get(fmt.encoding, pb.AudioFormat.ENCODING_UNSPECIFIED), on_chunk=on_chunk)
+        except grpc.RpcError:
+            try:  # free the worker now rather than at its READY timeout
+                client.close_session(session.session_id)
+            except grpc.RpcError:
+                pass
+            raise
         final = client.get_session(session.session_id)
     frames = result.frames
     if frames:
