@@ -161,7 +161,10 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
     qs = qf / q_rs[..., None]
     q_hi = qs.astype(F8)
-    parts = [q_hi, (qs - q_hi.astype(jnp.float32)).astype(F8)] if q_split else [q_hi]
+    # The barrier keeps XLA from folding f32 -> e4m3 -> f32 into a no-op (GPU XLA allows
+    # excess precision), which silently made lo == 0 in the first GPU run.
+    hi_f32 = lax.optimization_barrier(q_hi).astype(jnp.float32)
+    parts = [q_hi, (qs - hi_f32).astype(F8)] if q_split else [q_hi]
     q8 = jnp.pad(jnp.stack(parts), ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
     logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
     any_valid = jnp.any(valid).astype(jnp.float32)
@@ -172,10 +175,13 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     valid_p = jnp.pad(valid, (0, s_pad - s_len))
     bias = jnp.where(valid_p, 0.0, _MASK_BIAS).astype(jnp.float32)
 
-    nb = s_pad // block_kv
+    # V^T in two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose),
+    # then the key permutation inside each 16-key group (g, h2, t, v2) -> (g, t, h2, v2).
+    # As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
     vp = jnp.pad(v, ((0, s_pad - s_len), (0, 0), (0, 0)))
-    vp = vp.reshape(nb, block_kv // 16, 2, 4, 2, h, d)          # (j, g, h2, t, v2, H, D)
-    vt = jnp.transpose(vp, (5, 6, 0, 1, 3, 2, 4)).reshape(h, d, s_pad)
+    vt = lax.optimization_barrier(jnp.transpose(vp.reshape(s_pad, h * d)))  # [H*D, S']
+    vt = vt.reshape(h * d, s_pad // 16, 2, 4, 2).transpose(0, 1, 3, 2, 4)
+    vt = vt.reshape(h, d, s_pad)
     return q8, scales, bias, vt
 
 
