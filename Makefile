@@ -1,7 +1,9 @@
 # Set-up and entry points. `make demo` and `make test` work on a fresh machine:
 # they create .venv with Python 3.12 if it is missing and install the project.
 SHELL := /bin/bash
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+# The first candidate that really runs Python 3.12 (a pyenv shim on PATH may not).
+PYTHON312 ?= $(shell for c in $$(command -v python3.12 2>/dev/null) $$(ls -d $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 2>/dev/null) /usr/bin/python3.12 /usr/local/bin/python3.12; do \
+	  "$$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1 && { echo "$$c"; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

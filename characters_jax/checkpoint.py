@@ -38,7 +38,7 @@ def restore_params(path: str | pathlib.Path, engine) -> nnx.State:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     abstract = jax.tree.map(
-        lambda var, sharding: jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=sharding),
+        lambda var, sharding: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=sharding),
         engine.abstract_params,
         engine.param_shardings,
         is_leaf=lambda x: isinstance(x, nnx.Variable),

@@ -49,11 +49,11 @@ def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
     """
 
     def spec(path, var):
-        axes = tuple(var.get_metadata().get("logical_axes", (None,) * var.value.ndim))
+        axes = tuple(var.get_metadata().get("logical_axes", (None,) * var.get_value().ndim))
         if path and getattr(path[0], "key", path[0]) == "blocks":
             axes = ("layers",) + axes
-        if len(axes) != var.value.ndim:
-            raise ValueError(f"{jax.tree_util.keystr(path)}: logical axes {axes} do not match shape {var.value.shape}")
+        if len(axes) != var.get_value().ndim:
+            raise ValueError(f"{jax.tree_util.keystr(path)}: logical axes {axes} do not match shape {var.get_value().shape}")
         return rules.spec(axes)
 
     return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))

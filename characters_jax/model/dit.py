@@ -94,7 +94,9 @@ class Block(nnx.Module):
         self.q_norm = nnx.Param(jnp.ones((hd,), jnp.float32), logical_axes=("head_dim",))
         self.k_norm = nnx.Param(jnp.ones((hd,), jnp.float32), logical_axes=("head_dim",))
         # adaLN-single: a learned per-block offset to the shared modulation (shift, scale, gate).
-        self.modulation = nnx.Param(0.02 * jax.random.normal(rngs.params(), (3, d), jnp.float32), logical_axes=(None, "embed"))
+        # Gates start near one (not adaLN-zero): random weights then exercise every path.
+        offset = 0.1 * jax.random.normal(rngs.params(), (3, d), jnp.float32)
+        self.modulation = nnx.Param(offset.at[2].add(1.0), logical_axes=(None, "embed"))
 
     def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn):
         """x: [T, d] (replicated); shared_mod: [3, d] float32. Returns (x', aux from attend)."""

@@ -1,0 +1,157 @@
+"""The generator core on 4 virtual CPU devices: equivalences, host syncs, donation,
+memory, recompilation."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from characters_jax.cache import kv_cache as kvc
+from characters_jax.config import load_config
+from characters_jax.engine.bench import reset_steps
+from characters_jax.engine.generator import DiTGenerator
+from characters_jax.engine.step import EngineOptions
+
+CFG = load_config("tiny")
+STEPS = 100
+
+
+def run_session(gen: DiTGenerator, steps: int, prompt: bytes = b"hello world", seed: int = 3) -> np.ndarray:
+    """Prefill + `steps` steps on fixed inputs; returns the latents [steps, gh, gw, C]."""
+    rs = np.random.RandomState(0)
+    image = rs.randn(CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels).astype(np.float32)
+    gen.start_session(image, list(prompt), seed=seed)
+    audio = rs.randn(steps, CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim).astype(np.float32)
+    return np.stack([np.asarray(gen.step(jnp.asarray(a))) for a in audio])
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def worst_step(a, b) -> float:
+    return max(rel(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def launch_runs():
+    return {dt: run_session(DiTGenerator(CFG, tp=1, cache_mode="launch", cache_dtype=dt), STEPS) for dt in ("bf16", "fp8")}
+
+
+def test_window_contains_two_resets():
+    assert len(reset_steps(STEPS, CFG.cache.ring_frames, CFG.cache.reset_period)) == 2
+
+
+def test_ring_equals_launch_with_bf16_cache(launch_runs):
+    ring = run_session(DiTGenerator(CFG, tp=1, cache_mode="ring", cache_dtype="bf16"), STEPS)
+    assert np.isfinite(ring).all()
+    assert worst_step(ring, launch_runs["bf16"]) <= 1e-3
+
+
+def test_ring_vs_launch_with_fp8_cache_is_bounded(launch_runs):
+    ring = run_session(DiTGenerator(CFG, tp=1, cache_mode="ring", cache_dtype="fp8"), STEPS)
+    diff = worst_step(ring, launch_runs["fp8"])
+    print(f"fp8 ring vs launch: worst per-step relative difference {diff:.2e}")
+    assert np.isfinite(ring).all()
+    assert diff <= 2e-2
+
+
+def test_a_missing_delta_rotation_is_caught(launch_runs, monkeypatch):
+    """Negative control: the equivalence above fails when the reset forgets to rotate."""
+    monkeypatch.setattr(kvc, "rotate_ring", lambda layout, cache, delta, freqs: cache)
+    broken = run_session(DiTGenerator(CFG, tp=1, cache_mode="ring", cache_dtype="bf16"), STEPS)
+    first_reset = min(reset_steps(STEPS, CFG.cache.ring_frames, CFG.cache.reset_period))
+    assert worst_step(broken[:first_reset], launch_runs["bf16"][:first_reset]) <= 1e-3
+    assert worst_step(broken, launch_runs["bf16"]) > 1e-2
+
+
+def test_tensor_parallel_sizes_agree():
+    outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2, 4)}
+    ppermute = run_session(DiTGenerator(CFG, tp=4, cache_dtype="float32", options=EngineOptions(reduce="ppermute")), 12)
+    assert rel(outs[2], outs[1]) <= 1e-5
+    assert rel(outs[4], outs[1]) <= 1e-5
+    assert rel(ppermute, outs[1]) <= 1e-5
+
+
+def test_prompt_and_image_reach_the_output():
+    gen = DiTGenerator(CFG, tp=2)
+    a = run_session(gen, 3, prompt=b"hello world")
+    b = run_session(gen, 3, prompt=b"hello there")
+    assert rel(a, b) > 1e-4
+
+
+def test_prompt_padding_is_masked():
+    gen = DiTGenerator(CFG, tp=2)
+    eng = gen.engine
+    image = jnp.asarray(np.random.RandomState(1).randn(CFG.video.tokens_per_frame, CFG.model.latent_channels), jnp.float32)
+    audio = jnp.ones((CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim), jnp.float32)
+    outs = []
+    for pad in (0, 77):
+        prompt = np.full(16, pad, np.int32)
+        prompt[:5] = list(b"hello")
+        state = eng.prefill(gen.params, eng.init_state(), image, jnp.asarray(prompt), jnp.int32(5), jnp.uint32(0))
+        state, latent = eng.step(gen.params, state, audio)
+        outs.append(np.asarray(latent))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_step_never_copies_to_the_host():
+    gen = DiTGenerator(CFG, tp=4)
+    run_session(gen, 2)  # compile and warm up
+    audio = jax.device_put(jnp.ones((CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim)), gen.engine.replicated)
+    with jax.transfer_guard("disallow"):
+        for _ in range(50):  # crosses the first reset
+            gen.step(audio).block_until_ready()  # waiting is no transfer
+    with pytest.raises(Exception, match="[Dd]isallowed"):
+        with jax.transfer_guard("disallow"):
+            float(gen.step(audio)[0, 0, 0])  # the guard does catch a device-to-host read
+
+
+def test_donation_works_and_memory_stays_flat():
+    gen = DiTGenerator(CFG, tp=4)
+    audio = jax.device_put(jnp.ones((CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim)), gen.engine.replicated)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Dd]onat.*")
+        run_session(gen, 3)
+        latent = gen.step(audio)
+        latent.block_until_ready()
+        before = jax.live_arrays()
+        before_bytes = sum(a.nbytes for a in before)
+        for _ in range(200):
+            # Waiting per step keeps XLA:CPU's in-process collectives from queueing hundreds
+            # of 4-device programs on 2 cores (they can starve each other's rendezvous).
+            latent = gen.step(audio)
+            latent.block_until_ready()
+    del latent
+    after = jax.live_arrays()
+    assert sum(a.nbytes for a in after) <= before_bytes
+    assert len(after) <= len(before)
+    assert gen.state.cache.k.is_deleted() is False
+
+
+def test_no_recompilation_across_steps_resets_and_sessions():
+    gen = DiTGenerator(CFG, tp=4)
+    rng = np.random.default_rng(0)
+    run_session(gen, 60)  # crosses a reset
+    assert gen.engine.step._cache_size() == 1
+    image = rng.standard_normal((CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels)).astype(np.float32)
+    audio = jnp.ones((CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim))
+    for s in range(50):
+        n = int(rng.integers(0, CFG.cache.max_prompt_tokens + 1))
+        gen.start_session(image, list(rng.integers(0, 256, n)), seed=s)
+        gen.step(audio)
+    assert gen.engine.prefill._cache_size() <= len(CFG.cache.prompt_buckets)
+    assert gen.engine.step._cache_size() == 1
+
+
+def test_bad_session_inputs_are_rejected():
+    gen = DiTGenerator(CFG, tp=1)
+    image = np.zeros((CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels), np.float32)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        gen.start_session(image, [1] * (CFG.cache.max_prompt_tokens + 1))
+    with pytest.raises(ValueError, match="prompt token ids"):
+        gen.start_session(image, [300])
+    with pytest.raises(ValueError, match="shape"):
+        gen.start_session(image[:2], [1])
