@@ -147,16 +147,19 @@ class Engine:
         layout, freqs, opts = self.layout, self.freqs, self.options
 
         def reduce(pairs):
-            return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce)
+            with jax.named_scope("out_down_reduce"):
+                return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce)
 
         def block_fn(block, layer, x, shared_mod, cache):
             def attend(q, k, v):
                 c = cache
-                if token_valid is not None:
-                    c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
-                c = kvc.write(layout, c, layer, offset, k, v, positions, freqs)
-                kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs)
-                o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention)
+                with jax.named_scope("cache_upkeep"):
+                    if token_valid is not None:
+                        c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
+                    c = kvc.write(layout, c, layer, offset, k, v, positions, freqs)
+                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs)
+                with jax.named_scope("attention"):
+                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention)
                 return o, c
 
             return block(x, shared_mod, attend, reduce)
@@ -224,7 +227,8 @@ class Engine:
         """audio [A_tok, F_a] f32 -> (state', latent [grid_h, grid_w, C] f32)."""
         cfg = self.cfg
         model = nnx.merge(self.graphdef, params)
-        state = self._reset_positions(state)
+        with jax.named_scope("cache_upkeep"):
+            state = self._reset_positions(state)
         pos, offset, valid, slot_positions = self._begin_frame(state)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
@@ -235,7 +239,8 @@ class Engine:
             tokens = model.embed_frame(x, audio)
             velocity, cache = self._forward(model, tokens, jnp.float32(sigmas[i]), cache, block_fn)
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity
-        new_state = self._end_frame(state, cache, valid, slot_positions)
+        with jax.named_scope("cache_upkeep"):
+            new_state = self._end_frame(state, cache, valid, slot_positions)
         return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
 
     def _upkeep_local(self, params, state: StepState, new_kv, *, steps: int):

@@ -103,12 +103,14 @@ class Block(nnx.Module):
         t = x.shape[0]
         mod = shared_mod + self.modulation[...]
         h = (rms_norm(x, self.eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(x.dtype)
-        qkv = self.qkv(h).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+        with jax.named_scope("qkv_proj"):
+            qkv = self.qkv(h).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
         q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
         k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
         v = qkv[:, :, 2]
         o, aux = attend(q, k, v)
-        hidden = jax.nn.gelu(self.up(h), approximate=True)
+        with jax.named_scope("mlp_up"):
+            hidden = jax.nn.gelu(self.up(h), approximate=True)
         y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight()), (hidden, self.down.weight())])
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
 
