@@ -127,6 +127,10 @@ def run_bench(args) -> dict:
             up_times.append((time.perf_counter() - t0) * 1e3 / per_call)
     gen.state = state
 
+    breakdown = None
+    if getattr(args, "profile", None):
+        breakdown = _profile(args, step_exe, gen, audio, log)
+
     step_ms = percentiles(times)
     upkeep_ms = percentiles(up_times)
     p50_s = step_ms["p50"] / 1e3
@@ -158,7 +162,25 @@ def run_bench(args) -> dict:
         "device_memory": _device_memory(),
         "latent_finite": finite,
     }
+    if breakdown is not None:
+        result["breakdown"] = breakdown
     return result
+
+
+def _profile(args, step_exe, gen, audio, log) -> dict:
+    """Traces `--profile-steps` steps into `--profile DIR` and returns their component breakdown
+    (see `characters_jax.engine.profile`); on failure, {"error": ...} so that the timing stands."""
+    from characters_jax.engine.profile import profile_steps
+
+    try:
+        state, breakdown = profile_steps(step_exe, gen.params, gen.state, audio, steps=max(1, args.profile_steps), logdir=args.profile)
+        gen.state = state
+        (pathlib.Path(args.profile) / "breakdown.json").write_text(json.dumps(breakdown, indent=2))
+        log(f"[bench] profiled {breakdown['steps']} steps into {args.profile}")
+        return breakdown
+    except Exception as e:  # the profiler is optional: keep the timing results
+        log(f"[bench] profile failed: {type(e).__name__}: {e}")
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def format_table(r: dict) -> str:
@@ -176,7 +198,14 @@ def format_table(r: dict) -> str:
     if temp is not None:
         rows.append(("step temporaries per device", f"{temp / 2**30:.3f} GiB"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    b = r.get("breakdown")
+    if b:
+        from characters_jax.engine.profile import format_breakdown
+
+        table += "\n\nprofile breakdown (device time per step)\n"
+        table += f"error: {b['error']}" if "error" in b else format_breakdown(b)
+    return table
 
 
 def _bench(args) -> int:
@@ -209,4 +238,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--progress", type=int, default=0, help="log every N steps (0: off)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace a few steps into DIR and add their component breakdown")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps traced with --profile")
     p.set_defaults(func=_bench)
