@@ -5,10 +5,22 @@ dequantization scale (per tensor, or per output channel).  Activations are
 quantized on the device with a per-tensor scale computed from their absolute
 maximum (never read by the host).  The product is one ``dot_general`` on the two
 FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
-(no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM; the scales
-are applied to the output afterwards, where they cost one multiply per output
-element (a scalar per-tensor scale, which the GEMM rewriter folds into the
-cuBLASLt call, or a length-N vector for per-channel weights).
+(no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
+
+How the scales are applied (``SCALE_MODE``, env ``CHARACTERS_FP8_SCALE``):
+  'dequant' (per-tensor weights; default): the dot is written as XLA's GEMM
+      rewriter expects a dequantized FP8 GEMM,
+      ``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` with scalar a, b, so
+      both scales become the cuBLASLt call's A/B scale operands and the GEMM
+      writes bf16 directly: no elementwise pass over the output.  a and b are
+      exactly representable in bf16 (b = bf16(w.scale); the rounding residual
+      r = w.scale / b is folded into the activation's quantization, and a is
+      rounded up to a bf16 value), so the scale the GEMM applies is the one the
+      quantization used.  (Without the rewrite, e.g. on CPU, the bf16 multiply
+      rounds each element once: relative error <= 2^-9.)
+  'post': FP8 dot to f32, then one multiply by x_scale * w_scale (scalar or [N])
+      and a convert: an extra pass over the output unless XLA folds it.
+Per-channel weights ([N] scales) always use 'post'.
 
 Shapes and dtypes:
   ``Fp8Weight.values``  [N, K] float8_e4m3fn
@@ -19,6 +31,7 @@ Shapes and dtypes:
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +39,8 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 _TINY = 1e-12  # keeps the scale of an all-zero tensor finite
+SCALE_MODES = ("dequant", "post")
+SCALE_MODE = os.environ.get("CHARACTERS_FP8_SCALE", "dequant")
 
 
 @jax.tree_util.register_dataclass
@@ -92,16 +107,55 @@ def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None) -> jax.Array:
+def round_up_to_bf16(v: jax.Array) -> jax.Array:
+    """The smallest bf16 value >= v (v finite, positive f32), returned as bf16 (exact)."""
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+    up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)
+
+
+def quantize_for_dequant_dot(x: jax.Array, w_scale: jax.Array):
+    """Quantizes x for ``dequant_dot`` against a weight with per-tensor scale w_scale.
+
+    Returns (x_fp8 [..., K], a [] bf16, b [] bf16) with a * b * (x_fp8 @ w8.T) ~= x @ w.T:
+    b = bf16(w_scale); r = w_scale / b (within 2^-9 of one) is folded into x's
+    quantization, x_fp8 = x * r / a, with a = the bf16 value at or above amax(x) * r / 448
+    (so nothing saturates).  All on the device.
+    """
+    sw = jnp.asarray(w_scale, jnp.float32)
+    b = sw.astype(jnp.bfloat16)
+    b = jnp.where(b == 0, jnp.ones_like(b), b)
+    r = sw / b.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    a = round_up_to_bf16(jnp.maximum(amax * r, _TINY) / FP8_MAX)
+    return _to_fp8(x, r / a.astype(jnp.float32)), a, b
+
+
+def dequant_dot(x_fp8: jax.Array, a: jax.Array, w_fp8: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
+    """(x_fp8 * a) @ (w_fp8 * b).T written as the dequantize pattern of XLA's GEMM rewriter.
+
+    x_fp8 [M, K], w_fp8 [N, K] e4m3; a, b scalars (bf16, exact).  On NVIDIA GPUs this is one
+    cuBLASLt FP8 GEMM with A/B scales and a ``out_dtype`` (bf16/f16/f32) output.
+    """
+    cdt = jnp.bfloat16
+    xd = x_fp8.astype(cdt) * a.astype(cdt)
+    wd = w_fp8.astype(cdt) * b.astype(cdt)
+    pref = out_dtype if jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                                jnp.dtype(jnp.float32)) else jnp.float32
+    y = jax.lax.dot_general(xd, wd, (((xd.ndim - 1,), (1,)), ((), ())), preferred_element_type=pref)
+    return y.astype(out_dtype)
+
+
+def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode=None) -> jax.Array:
     """y = x @ w.T for x [..., K] and w an ``Fp8Weight`` or a float [N, K] array.
 
     Args:
       x: activations [..., K] (bf16 or f32).
       w: ``Fp8Weight`` (values [N, K] e4m3, scale [] or [N]) or a float [N, K].
       out_dtype: dtype of the result (default x.dtype).
-      accumulate_dtype: dtype the FP8 GEMM writes before the scales are applied
-        (default f32, which keeps the full accumulator precision; bf16 halves the
-        bytes written).  Ignored for float weights.
+      accumulate_dtype: ('post' mode) dtype the FP8 GEMM writes before the scales are
+        applied (default f32; bf16 halves the bytes written).  Ignored otherwise.
+      scale_mode: 'dequant' | 'post' (module docstring); default ``SCALE_MODE``.
     Returns:
       [..., N] in ``out_dtype``.
     """
@@ -112,6 +166,12 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None) -> jax.Arr
             preferred_element_type=jnp.float32,
         )
         return y.astype(out_dtype)
+    mode = scale_mode or SCALE_MODE
+    if mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {mode!r}; expected one of {SCALE_MODES}")
+    if mode == "dequant" and not w.per_channel:
+        x_fp8, a, b = quantize_for_dequant_dot(x, w.scale)
+        return dequant_dot(x_fp8, a, w.values, b, out_dtype)
     x_fp8, x_scale = quantize_activation(x)
     y = fp8_dot(x_fp8, w.values, accumulate_dtype or jnp.float32)
     return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)

@@ -36,28 +36,40 @@ from jax import lax
 from characters_jax.parallel.fp8_linear import Fp8Weight, fp8_dot, linear, quantize_activation
 
 METHODS = ("psum", "ppermute", "pallas", "auto")
+# 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
+AUTO_FUSED_MAX_PAIRS = 1
+# FP8 GEMMs want M a multiple of 16 (XLA pads x and slices the output otherwise);
+# the psum path pads once, reduces the padded rows and slices after the reduction,
+# where the slice fuses into the consumer instead of costing a copy before the psum.
+ROW_ALIGN = 16
 
 
 def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
     """Maps 'auto' to a concrete method for the backend (and operands); checks the name.
 
-    'auto' picks the fused kernel ('pallas') for a single FP8 pair with a
-    per-tensor scale and tileable shapes on NVIDIA Hopper, where it measured
-    faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM + all-reduce (issue 5)");
-    'psum' everywhere else.  Several pairs stay on 'psum' until the kernel's
-    addend path has been timed on the GPU.
+    'auto' picks the fused kernel ('pallas') for up to ``AUTO_FUSED_MAX_PAIRS``
+    FP8 pairs with per-tensor scales and tileable shapes on NVIDIA Hopper, where a
+    single pair measured faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM +
+    all-reduce (issue 5)"); 'psum' everywhere else.  The model's two-pair call
+    (attention-out + MLP-down) stays on 'psum' (AUTO_FUSED_MAX_PAIRS = 1) until
+    the kernel's addend path has been timed on the GPU.
     """
     if method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
     if method != "auto":
         return method
-    if (backend or jax.default_backend()) != "gpu" or pairs is None or len(pairs) != 1:
+    if ((backend or jax.default_backend()) != "gpu" or pairs is None
+            or not 1 <= len(pairs) <= AUTO_FUSED_MAX_PAIRS):
         return "psum"
     from pallas_kernels import fp8_gemm_allreduce
 
-    x, w = pairs[0]
-    if (isinstance(w, Fp8Weight) and not w.per_channel and fp8_gemm_allreduce.is_supported()
-            and fp8_gemm_allreduce.fits(x.shape[1], w.shape[0])):
+    if not fp8_gemm_allreduce.is_supported():
+        return "psum"
+    # The fused pair is the one with the largest K (see _pallas_matmul_reduce).
+    x, w = max(pairs, key=lambda p: p[0].shape[1])
+    if not all(isinstance(pw, Fp8Weight) and not pw.per_channel for _, pw in pairs):
+        return "psum"
+    if fp8_gemm_allreduce.fits(x.shape[1], w.shape[0]):
         return "pallas"
     return "psum"
 
@@ -83,12 +95,31 @@ def _check_pairs(pairs) -> tuple[int, int]:
 
 
 def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype) -> jax.Array:
-    """Sum over pairs of x @ w.T on this device (f32 sum, then out_dtype): [M, N]."""
+    """Sum over pairs of x @ w.T on this device: [M, N] in out_dtype.
+
+    FP8 pairs in 'dequant' mode each write out_dtype straight from the GEMM and are
+    summed in out_dtype (the add can become the next GEMM's C operand); otherwise
+    the partials are summed in f32.
+    """
+    from characters_jax.parallel import fp8_linear
+
+    direct = all(isinstance(w, Fp8Weight) and not w.per_channel for _, w in pairs) and (
+        fp8_linear.SCALE_MODE == "dequant")
+    acc_dtype = out_dtype if direct else jnp.float32
     acc = None
     for x, w in pairs:
-        y = linear(x, w, out_dtype=jnp.float32)
+        y = linear(x, w, out_dtype=acc_dtype)
         acc = y if acc is None else acc + y
     return acc.astype(out_dtype)
+
+
+def _psum_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+    m = pairs[0][0].shape[0]
+    mp = -(-m // ROW_ALIGN) * ROW_ALIGN
+    if mp != m and any(isinstance(w, Fp8Weight) for _, w in pairs):
+        pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
+        return lax.psum(local_partial(pairs, out_dtype), axis_name)[:m]
+    return lax.psum(local_partial(pairs, out_dtype), axis_name)
 
 
 def _ring_all_reduce_rows(chunk_partial, m: int, tp: int, axis_name: str) -> jax.Array:
@@ -182,7 +213,7 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
     method = resolve_method(method, jax.default_backend(), pairs)
     if method == "psum":
-        return lax.psum(local_partial(pairs, out_dtype), axis_name)
+        return _psum_matmul_reduce(pairs, axis_name, out_dtype)
     if method == "ppermute":
         return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
     return _pallas_matmul_reduce(pairs, axis_name, out_dtype)
