@@ -12,8 +12,19 @@ by the TMA engine to the device's own output and to a receive buffer on every
 peer (``plgpu.remote_ref``), and the warpgroups go on with their next tile while
 the copies travel over NVLink.  When a block has finished its tiles and its
 copies have landed, it signals each peer's semaphore; the kernel ends once every
-block of every peer has signalled.  The sum of the own partial and the tp - 1
-received ones is one fused elementwise pass after the kernel.
+block of every peer has signalled.  Two ways to sum the partials (``Config.reduce``):
+
+  'xla'     each tile goes to the own output and to a receive slot on every peer;
+            the sum of the own partial and the tp - 1 received ones is one fused
+            elementwise pass after the kernel (run 1).  M is padded to the tile.
+  'tma_add' the sum happens inside the kernel: every block first zeroes its share
+            of the output, all blocks of all devices meet once (a semaphore count),
+            and each finished sub-tile is stored with a TMA reduce-add
+            (``cp.reduce.async.bulk.tensor ... .add``) into the output of every
+            device, itself included.  No receive buffer, no pass after the kernel,
+            no padding of M (TMA drops out-of-bounds rows).  For tp = 2 the result
+            is bf16(bf16(p0) + bf16(p1)) on both devices (addition commutes); for
+            tp >= 3 the order of the adds varies, so devices may differ in the last bit.
 
 No multicast or multimem instruction is used; the exchange is point-to-point,
 so any number of devices works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
@@ -56,6 +67,12 @@ class Config:
     epi_n: int = 64
     grid_minor_n: bool = True
     grid_tile_width: int = 4
+    reduce: str = "xla"  # 'xla' | 'tma_add' (module docstring)
+
+
+# Run 1's configuration (the fallback) and the in-kernel reduction.
+CONFIG_RUN1 = Config()
+CONFIG_TMA_ADD = Config(reduce="tma_add")
 
 
 def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp.bfloat16):
@@ -83,18 +100,26 @@ def fits(k: int, n: int, config: Config = Config()) -> bool:
     return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
 
 
-def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config):
-    """Launches the Mosaic GPU kernel; returns (own partial [Mp, N], received [tp-1, Mp, N] or None)."""
+def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None):
+    """Launches the Mosaic GPU kernel.
+
+    reduce='xla': returns (own partial [Mp, N], received [tp-1, Mp, N] or None).
+    reduce='tma_add': returns (the reduced [M, N], None).
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
+    m = m_out or m  # rows of the output ('tma_add': x may carry up to 7 zero rows more)
     n = w.shape[0]
     c = config
     cta_n = 2 * c.tile_n
-    if m % c.tile_m or n % cta_n or k % c.tile_k:
+    tma_add = c.reduce == "tma_add"
+    if c.reduce not in ("xla", "tma_add"):
+        raise ValueError(f"unknown reduce {c.reduce!r}")
+    if (m % c.tile_m and not tma_add) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
-    m_iters, n_iters, k_iters = m // c.tile_m, n // cta_n, k // c.tile_k
+    m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
     swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
     in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
@@ -109,13 +134,14 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         if has_addend:
             addend_ref, *refs = refs
         out_ref, *recv = refs
-        recv_ref = recv[0] if recv else None
+        recv_ref = recv[0] if (recv and not tma_add) else None
         wg = lax.axis_index("wg")
         # Only a kernel that talks to peers may name the mesh axis: a mesh-axis
         # index marks the kernel as collective (and links NVSHMEM).
         dev = lax.axis_index(axis_name) if tp > 1 else None
         block = lax.axis_index("cluster_grid")
         done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tp > 1 else None
+        zero_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tma_add else None
 
         pipeline = functools.partial(
             plgpu.emit_pipeline_warp_specialized,
@@ -148,6 +174,33 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                 plgpu.copy_gmem_to_smem(scale_ref, scale_smem, barriers.at[2])
 
             plgpu.barrier_wait(barriers.at[2])
+
+            if tma_add:
+                # Zero this block's share of the output (sub-tiles j = gid, gid + 2 * num_sms, ...),
+                # then tell every device (itself included); the first reduce-add waits for all.
+                @pl.when(wg < 2)
+                def _zero_share():
+                    zero_slot = out_smem.at[wg, 0]
+                    out_smem[wg, 0] = jnp.zeros((c.epi_m, c.epi_n), out_dtype)
+                    plgpu.commit_smem()
+                    sub_m, sub_n = -(-m // c.epi_m), n // c.epi_n
+                    gid = block * 2 + wg
+                    n_mine = (sub_m * sub_n - gid + 2 * num_sms - 1) // (2 * num_sms)
+
+                    @pl.loop(0, n_mine)
+                    def _zero(i):
+                        j = gid + i * (2 * num_sms)
+                        zm, zn = j // sub_n, lax.rem(j, sub_n)
+                        plgpu.copy_smem_to_gmem(
+                            zero_slot,
+                            out_ref.at[pl.ds(zm * c.epi_m, c.epi_m), pl.ds(zn * c.epi_n, c.epi_n)])
+
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    for j in range(tp):
+                        if j == 0:
+                            pl.semaphore_signal(zero_sem, 1)
+                        else:
+                            pl.semaphore_signal(zero_sem, 1, device_id=lax.rem(dev + j, tp))
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
@@ -182,6 +235,20 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                             out_smem[wg, slot] = y.astype(out_dtype)
                             plgpu.commit_smem()
                             src = out_smem.at[wg, slot]
+                            if tma_add:
+                                if e == 0:
+                                    # Every output of every device is zeroed (cheap once true).
+                                    pl.semaphore_wait(zero_sem, value=2 * num_sms * tp,
+                                                      decrement=False)
+                                plgpu.copy_smem_to_gmem(src, out_ref.at[dst].at[e_m, e_n],
+                                                        commit_group=False, reduction_op="add")
+                                for j in range(1, tp):
+                                    peer = lax.rem(dev + j, tp)
+                                    remote = plgpu.remote_ref(out_ref, peer)
+                                    plgpu.copy_smem_to_gmem(src, remote.at[dst].at[e_m, e_n],
+                                                            commit_group=False, reduction_op="add")
+                                plgpu.commit_smem_to_gmem_group()
+                                continue
                             plgpu.copy_smem_to_gmem(src, out_ref.at[dst].at[e_m, e_n],
                                                     commit_group=False)
                             for j in range(1, tp):
@@ -216,7 +283,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                 pl.semaphore_wait(done_sem, value=2 * num_sms * (tp - 1), decrement=False)
 
     out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-    if tp > 1:
+    if tp > 1 and not tma_add:
         out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
     operands = (x, w, scale_tile) + ((addend,) if has_addend else ())
     outs = plgpu.kernel(
@@ -231,7 +298,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(*operands)
-    return outs[0], (outs[1] if tp > 1 else None)
+    return outs[0], (outs[1] if (tp > 1 and not tma_add) else None)
 
 
 def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=jnp.bfloat16,
@@ -260,12 +327,23 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=
         return reference(x, w_fp8, scale, addend, axis_name=axis_name, out_dtype=out_dtype)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
+    scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
+    if config.reduce == "tma_add":
+        # TMA tiling wants rows in multiples of 8 (757 -> 760, not 768); the rest of the
+        # last tile is out of bounds (zero on load, dropped on store).  The final slice
+        # fuses into the consumer.
+        pad8 = ((0, -m % 8), (0, 0))
+        x = jnp.pad(x, pad8)
+        if addend is not None:
+            addend = jnp.pad(addend.astype(out_dtype), pad8)
+        out, _ = _kernel(x, w_fp8, scale_tile, addend, axis_name=axis_name, tp=tp,
+                         out_dtype=out_dtype, config=config)
+        return out[:m]
     m_pad = -(-m // config.tile_m) * config.tile_m
     pad = ((0, m_pad - m), (0, 0))
     x = jnp.pad(x, pad)
     if addend is not None:
         addend = jnp.pad(addend.astype(out_dtype), pad)
-    scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
     own, received = _kernel(x, w_fp8, scale_tile, addend, axis_name=axis_name, tp=tp,
                             out_dtype=out_dtype, config=config)
     total = own.astype(jnp.float32)

@@ -50,13 +50,15 @@ def test_fallback_matches_reference(tp):
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-def test_kernel_lowers_for_cuda_without_multicast(tp):
+@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.CONFIG_TMA_ADD])
+def test_kernel_lowers_for_cuda_without_multicast(tp, config):
     """The Mosaic GPU kernel lowers for tp peers; no multimem/multicast instruction in it."""
     mesh = _mesh(tp)
     spec = NamedSharding(mesh, P(None, "tp"))
     x = jax.ShapeDtypeStruct((757, 256 * tp), jnp.float8_e4m3fn, sharding=spec)
     w = jax.ShapeDtypeStruct((512, 256 * tp), jnp.float8_e4m3fn, sharding=spec)
-    text = _fused(mesh, use_kernel=True).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    text = _fused(mesh, use_kernel=True, config=config).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert "multimem" not in text and "multicast" not in text
 
@@ -72,7 +74,9 @@ def test_bad_tiles_are_rejected():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [fused.Config(), fused.Config(tile_m=64, stages=4)])
+@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.Config(tile_m=64, stages=4),
+                                    fused.CONFIG_TMA_ADD,
+                                    fused.Config(reduce="tma_add", tile_m=64, stages=4)])
 def test_kernel_on_all_gpus_matches_reference(config):
     if jax.default_backend() != "gpu" or not fused.is_supported():
         pytest.skip("needs NVIDIA Hopper GPUs")
