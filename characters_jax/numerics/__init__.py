@@ -1,0 +1,81 @@
+"""`characters-jax numerics`: optimized variants against the reference path's own run-to-run spread.
+
+An autoregressive video model cannot be judged by comparing pixels after a few seconds: two
+runs of the same reference path already drift apart under perturbations a deployment has
+anyway (another reduction order, a one-ulp change of an input, nondeterministic GPU
+reductions). The harness measures that spread, runs each variant that changes the
+arithmetic on the same inputs, seeds and weights, and says per variant whether its
+divergence stays within the spread (mean and worst case). Exact equivalences stay unit
+tests (tests/test_engine.py). Modules: `runs` (variants, inputs, trajectories),
+`metrics` (distances, spread, verdict), `decode` (frames, PSNR), `harness`, `report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("numerics", help="numerics-changing variants vs the reference's run-to-run spread",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the base reference run and the variants")
+    p.add_argument("--steps", type=int, default=12, help="steps per run (one latent frame each)")
+    p.add_argument("--variants", default="ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute",
+                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, fp8-gemm, fused-reduce, ppermute, production")
+    p.add_argument("--runs", type=int, default=4, help="reference runs: the base run plus R-1 perturbed ones")
+    p.add_argument("--blocks", type=int, default=None, help="override model.num_blocks (reduced depth, full width)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the activation dtype")
+    p.add_argument("--ref-cache-dtype", choices=("bf16", "float32"), default="bf16", help="the reference's launch cache dtype")
+    p.add_argument("--factor", type=float, default=2.0, help="allowed multiple of the reference's spread")
+    p.add_argument("--floor", type=float, default=1e-6, help="lowest value of the per-step tolerance band")
+    p.add_argument("--decoder", choices=("config", "small", "none"), default="config",
+                   help="decoder for frame PSNR: the config's, one with channels / 8, or none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the full result (curves, table, notes) here")
+    p.add_argument("--plot", default=None, help="write a PNG of divergence against step here")
+    p.add_argument("--table", default=None, help="write the markdown table here")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    if "jax" not in sys.modules and args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # On CPU the mesh needs virtual devices; the flag does nothing on other backends.
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(args.tp, 4)}".strip()
+    from characters_jax.numerics import report as rep
+    from characters_jax.numerics.harness import Settings, run
+    from characters_jax.numerics.runs import VARIANTS
+
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"characters-jax numerics: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    settings = Settings(config=args.config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
+                        blocks=args.blocks, dtype=args.dtype, ref_cache_dtype=args.ref_cache_dtype,
+                        factor=args.factor, floor=args.floor, decoder=args.decoder, seed=args.seed,
+                        verbose=not args.quiet)
+    report = run(settings)
+    if report.config.model.dtype == "float32":
+        report.notes.append("activations float32: the reference's spread is float32 rounding, so any bf16/FP8 storage "
+                            "lies outside it; --dtype bfloat16 matches the serving configs")
+    text = rep.table(report)
+    if args.json:
+        rep.write_json(report, args.json)
+    if args.plot:
+        rep.plot(report, args.plot)
+    if args.table:
+        with open(args.table, "w") as fh:
+            fh.write(rep.header(report) + "\n\n" + text + "\n")
+    secs = ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
+    print(rep.header(report))
+    for n in report.notes:
+        print(f"note: {n}")
+    print(f"time: {secs}")
+    print(text)
+    flagged = report.flagged
+    print(f"flagged (not within x{settings.factor:g} the reference spread): {', '.join(flagged) if flagged else 'none'}")
+    return 1 if flagged else 0

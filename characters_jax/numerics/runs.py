@@ -1,0 +1,267 @@
+"""Trajectories of the reference path and of the optimized variants, on the same inputs.
+
+A trajectory: prefill one session (reference image latent + prompt), then K steps with fixed
+audio tokens; the K latent frames [K, grid_h, grid_w, C] float32 come back to the host once,
+at the end (the step itself never syncs). Every run uses the same inputs, noise seed and
+model weights; the float weights are drawn once, and the FP8-GEMM variants quantize those
+same weights (`fp8_params`), so a variant differs from the reference only in arithmetic.
+
+The reference path: launch cache in bf16 (or float32), reference attention, plain GEMMs
+(the config's FP8 weight storage replaced by the activation dtype), XLA psum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from characters_jax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How a run differs from the reference path. cache_dtype None: the reference's."""
+
+    name: str
+    cache_mode: str = "launch"
+    cache_dtype: str | None = None
+    attention: str = "reference"
+    reduce: str = "psum"
+    fp8_weights: bool = False
+    description: str = ""
+
+
+REFERENCE = Variant("reference", description="launch cache, reference attention, plain GEMMs, psum")
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("ring-bf16", cache_mode="ring", cache_dtype="bf16", description="ring cache, bf16, RoPE at write"),
+        Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
+        Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + Pallas FP8 attention kernel"),
+        Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
+        Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
+        Variant("ppermute", reduce="ppermute", description="ppermute ring reduction overlapping the GEMM"),
+        Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs, reduce auto"),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A variant as it runs on this backend: `variant` None means skipped; `note` says why/what changed."""
+
+    name: str
+    variant: Variant | None
+    note: str = ""
+
+
+def resolve(variant: Variant, tp: int) -> Resolved:
+    """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU."""
+    from pallas_kernels import fp8_attention, fp8_gemm_allreduce
+
+    if variant.attention == "pallas" and not fp8_attention._is_hopper():
+        return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
+                        f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
+    if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():
+        return Resolved(variant.name, None, f"fused GEMM + all-reduce needs a Hopper GPU ({jax.default_backend()} here): skipped")
+    if variant.reduce in ("ppermute", "pallas") and tp == 1:
+        return Resolved(variant.name, variant, "tp=1: no reduction to change")
+    return Resolved(variant.name, variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One session's inputs. image_latent [gh, gw, C] f32; prompt [B] int32 (padded to its
+    bucket) with `prompt_len` real tokens; audio [K, A_tok, F_a] f32; seed: the noise seed."""
+
+    image_latent: np.ndarray
+    prompt: np.ndarray
+    prompt_len: int
+    audio: np.ndarray
+    seed: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.audio)
+
+
+def act_dtype(cfg: Config):
+    return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
+
+
+def make_inputs(cfg: Config, steps: int, prompt_bucket_fn, seed: int = 0) -> Inputs:
+    """Random inputs, already rounded to the activation dtype (so a one-ulp nudge is exact)."""
+    rs = np.random.RandomState(seed)
+    dt = act_dtype(cfg)
+    v, m = cfg.video, cfg.model
+    image = rs.randn(v.grid_h, v.grid_w, m.latent_channels).astype(dt).astype(np.float32)
+    audio = rs.randn(steps, m.audio_tokens_per_step, m.audio_feature_dim).astype(dt).astype(np.float32)
+    prompt = list(b"a person talking to the camera")[: cfg.cache.max_prompt_tokens]
+    padded, n = prompt_bucket_fn(prompt)
+    return Inputs(image_latent=image, prompt=padded, prompt_len=n, audio=audio, seed=seed + 1)
+
+
+def nudge_ulp(x: np.ndarray, dtype, seed: int) -> np.ndarray:
+    """Moves every element of x (exactly representable in `dtype`) one ulp of `dtype` up or
+    down in magnitude, with a random sign per element; zeros stay. Returns float32."""
+    rs = np.random.RandomState(seed)
+    bits_t = {2: np.int16, 4: np.int32}[jnp.dtype(dtype).itemsize]
+    y = np.asarray(x).astype(dtype)
+    bits = y.view(bits_t)
+    step = rs.choice(np.array([-1, 1], bits_t), size=bits.shape)
+    nonzero = (bits & np.array(np.iinfo(bits_t).max, bits_t)) != 0
+    out = np.where(nonzero, bits + step, bits).astype(bits_t).view(jnp.dtype(dtype))
+    return out.astype(np.float32)
+
+
+def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
+    """The same inputs with the image latent and the audio features nudged by one ulp."""
+    dt = act_dtype(cfg)
+    return dataclasses.replace(
+        inputs,
+        image_latent=nudge_ulp(inputs.image_latent, dt, 2 * seed),
+        audio=nudge_ulp(inputs.audio, dt, 2 * seed + 1),
+    )
+
+
+def reference_config(cfg: Config, cache_dtype: str) -> Config:
+    """The reference path's config: launch cache in `cache_dtype`, plain GEMMs."""
+    wd = cfg.model.weight_dtype
+    if wd == "fp8":
+        wd = cfg.model.dtype
+    return cfg.replace(model={"weight_dtype": wd}, cache={"mode": "launch", "dtype": cache_dtype})
+
+
+def variant_config(ref_cfg: Config, v: Variant) -> Config:
+    model = {"weight_dtype": "fp8"} if v.fp8_weights else {}
+    return ref_cfg.replace(model=model, cache={"mode": v.cache_mode, "dtype": v.cache_dtype or ref_cfg.cache.dtype})
+
+
+def make_engine(cfg: Config, tp: int, v: Variant):
+    from characters_jax.engine.step import Engine, EngineOptions
+    from characters_jax.parallel.sharding import make_mesh
+
+    return Engine(cfg, make_mesh(tp), EngineOptions(attention=v.attention, reduce=v.reduce))
+
+
+def _block_weight_key(key: str) -> bool:
+    return key.startswith("['blocks']") and key.endswith("['w'].value")
+
+
+def fp8_params(engine, ref_params):
+    """The reference's float weights as this FP8 engine stores them (on its mesh).
+
+    Block projections w [L, N, K] -> e4m3 values with a per-tensor (per layer) scale
+    amax / 448 (`w_scale` [L]); every other parameter is copied.
+    """
+    from characters_jax.parallel.fp8_linear import FP8_DTYPE, FP8_MAX
+
+    def build(ref):
+        flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(ref)[0]}
+
+        def quant(w):
+            wf = w.astype(jnp.float32)
+            scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=(1, 2)), 1e-12) / FP8_MAX
+            values = jnp.clip(wf / scale[:, None, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+            return values, scale
+
+        def leaf(path, abstract):
+            key = jax.tree_util.keystr(path)
+            if key.endswith("['w_scale'].value"):
+                return quant(flat[key.replace("['w_scale']", "['w']")])[1]
+            if _block_weight_key(key) and abstract.dtype == FP8_DTYPE:
+                return quant(flat[key])[0]
+            return flat[key].astype(abstract.dtype)
+
+        return jax.tree_util.tree_map_with_path(leaf, engine.abstract_params)
+
+    return jax.jit(build, out_shardings=engine.param_shardings)(ref_params)
+
+
+def place_params(engine, params, ref_engine):
+    """`params` (the reference's) for `engine`: resharded, or quantized for FP8 GEMMs."""
+    if engine.cfg.model.weight_dtype == "fp8" and ref_engine.cfg.model.weight_dtype != "fp8":
+        return fp8_params(engine, params)
+    return jax.device_put(params, engine.param_shardings)
+
+
+def run_session(engine, params, inputs: Inputs, sync_each_step: bool = False) -> np.ndarray:
+    """Prefill + K steps; returns the latents [K, grid_h, grid_w, C] float32 (host).
+
+    sync_each_step: wait for each step (XLA:CPU with several virtual devices runs more
+    smoothly on few cores when programs do not queue up).
+    """
+    state = engine.init_state()
+    state = engine.prefill(params, state, jnp.asarray(inputs.image_latent.reshape(-1, inputs.image_latent.shape[-1])),
+                           jnp.asarray(inputs.prompt), jnp.int32(inputs.prompt_len), jnp.uint32(inputs.seed))
+    audio = jax.device_put(jnp.asarray(inputs.audio), engine.replicated)
+    latents = []
+    for s in range(inputs.steps):
+        state, latent = engine.step(params, state, audio[s])
+        if sync_each_step:
+            latent.block_until_ready()
+        latents.append(latent)
+    out = np.stack([np.asarray(x) for x in latents])
+    del state
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RefRun:
+    """One reference run: `kind` base | tp | ulp | repeat; tp; ulp_seed (0: unperturbed)."""
+
+    label: str
+    kind: str
+    tp: int
+    ulp_seed: int = 0
+
+
+def reference_plan(runs: int, tp: int, num_heads: int, devices: int, repeat: bool) -> list[RefRun]:
+    """The base run, then perturbed runs cycling over: one-ulp input nudges, other tp sizes
+    (each a different reduction order), and (GPU) an identical repeat."""
+    alt_tps = [t for t in (1, 2, 4, 8, 3, 6) if t != tp and t <= devices and num_heads % t == 0]
+    plan = [RefRun(f"ref tp={tp}", "base", tp)]
+    ulp, i = 0, 0
+    kinds = ["ulp", "tp", "repeat", "ulp", "tp"] if repeat else ["ulp", "tp"]
+    while len(plan) < runs:
+        kind = kinds[i % len(kinds)]
+        i += 1
+        if kind == "tp":
+            if not alt_tps:
+                continue
+            t = alt_tps.pop(0)
+            plan.append(RefRun(f"ref tp={t}", "tp", t))
+        elif kind == "repeat":
+            if repeat:
+                plan.append(RefRun(f"ref repeat tp={tp}", "repeat", tp))
+                repeat = False
+        else:
+            ulp += 1
+            plan.append(RefRun(f"ref ulp#{ulp} tp={tp}", "ulp", tp, ulp))
+        if i > 4 * runs + 10:
+            break
+    return plan
+
+
+class Timer:
+    """Wall-clock seconds per label (host side)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, label: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[label] = timer.seconds.get(label, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
