@@ -96,12 +96,27 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--heads", default="18,36,72")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--variants", default="split_s2,split_s3,single_s2,single_s3")
+    ap.add_argument("--variants", default="kv_split_s3,wt_split_s3",
+                    help="kv_*: V read as stored, transposed in the kernel; wt_*: V^T built "
+                         "by XLA in the wrapper (GPU run 1's kernel)")
+    ap.add_argument("--contenders", type=int, default=1, help="also time cuDNN/XLA/PyTorch")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--log", default="", help="json-lines log (default: in --out)")
+    ap.add_argument("--table", nargs="*", help="only print the table of these json files")
     args = ap.parse_args()
+    if args.table is not None:
+        rows = []
+        for fn in args.table:
+            try:
+                rows += json.load(open(fn))
+            except Exception as e:  # a stage that died leaves its log only
+                print(f"(no results from {fn}: {e})")
+        print_table(sorted(rows, key=lambda r: r["heads"]))
+        return 0
     heads = [int(x) for x in args.heads.split(",")]
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
     results = []
-    log = open(f"{args.out}/attention_bench_log.txt", "w")
+    log = open(args.log or f"{args.out}/attention_bench_log{args.tag}.txt", "w")
 
     def record(**r):
         results.append(r)
@@ -116,8 +131,9 @@ def main():
     except Exception:  # torch absent
         have_torch = False
 
-    variants = {f"{qs}_s{st}": dict(stages=st, q_split=(qs == "split"))
-                for qs in ("split", "single") for st in (2, 3, 4)}
+    variants = {f"{vk}_{qs}_s{st}": dict(stages=st, q_split=(qs == "split"),
+                                         v_in_kernel=(vk == "kv"))
+                for vk in ("kv", "wt") for qs in ("split", "single") for st in (2, 3, 4)}
     for h in heads:
         flops = 4 * TQ * S * D * h
         q, k8, v8, ks, vs, valid = make_inputs(h, seed=h)
@@ -135,11 +151,17 @@ def main():
                 out = poisoned_call(lambda: f(q, k8, v8, ks, vs, valid), TQ * h * D * 2)
                 comp = time.time() - t0
                 # also the raw (padded) kernel output: every row must be finite
-                q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
-                    q, v8, ks, vs, valid, 128, kw["q_split"])
+                if kw["v_in_kernel"]:
+                    q8, sc, bias = jax.jit(fa._prepare_inputs_v_in_kernel,
+                                           static_argnums=(4, 5))(
+                        q, ks, vs, valid, 128, kw["q_split"])
+                    vt = v8
+                else:
+                    q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
+                        q, v8, ks, vs, valid, 128, kw["q_split"])
                 raw_fn = jax.jit(lambda a, b, c, d_, e: fa._fp8_attention_call(
                     a, b, c, d_, e, tq=TQ, block_kv=128, stages=kw["stages"],
-                    out_dtype=jnp.bfloat16, clip_out=False))
+                    out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=kw["v_in_kernel"]))
                 raw = poisoned_call(lambda: raw_fn(q8, k8, vt, sc, bias), 768 * h * D * 2)
                 err = rel_err(out, ref)
                 finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
@@ -161,6 +183,8 @@ def main():
                 record(heads=h, impl=name, error=f"{type(e).__name__}: {str(e)[:1500]}")
                 traceback.print_exc()
 
+        if not args.contenders:
+            continue
         # --- JAX cuDNN / XLA on bf16 K/V (dequantized once, outside the timing)
         kb = (k8.astype(jnp.float32) * ks[None, :, None]).astype(jnp.bfloat16)
         vb = (v8.astype(jnp.float32) * vs[None, :, None]).astype(jnp.bfloat16)
@@ -174,6 +198,7 @@ def main():
                 tot, br, nk = cupti_times(lambda: f(q, kb, vb, mk), args.iters)
                 tag = "" if mk is not None else "_nomask"
                 record(heads=h, impl=f"jax_{impl}_bf16{tag}", us_total=tot,
+                       us_kernel=attn_kernel_us(br), tflops_kernel=flops / attn_kernel_us(br) / 1e6,
                        tflops_total=flops / tot / 1e6, rel_err=err, breakdown=br,
                        kernels_per_call=nk)
             except Exception as e:
@@ -212,6 +237,8 @@ def main():
                         torch.cuda.synchronize()
                         ev_us = st.elapsed_time(en) * 1e3 / 50
                         record(heads=h, impl=f"torch_cudnn_bf16_{mname}", us_total=tot,
+                               us_kernel=attn_kernel_us(br),
+                               tflops_kernel=flops / attn_kernel_us(br) / 1e6,
                                tflops_total=flops / tot / 1e6, us_events=ev_us,
                                rel_err=err, breakdown=br, kernels_per_call=nk)
                     except Exception as e:
@@ -222,9 +249,20 @@ def main():
             except Exception as e:
                 record(heads=h, impl="torch", error=f"{type(e).__name__}: {e}"[:800])
 
-    with open(f"{args.out}/attention_results.json", "w") as fh:
+    with open(f"{args.out}/attention_results{args.tag}.json", "w") as fh:
         json.dump(results, fh, indent=1)
-    # short table last
+    print_table(results)
+    return 0
+
+
+def attn_kernel_us(breakdown):
+    """The attention kernel's own time in a breakdown (cuDNN's fprop kernel or ours); the
+    whole SDPA kernel time for XLA's several kernels is not meaningful (returns total)."""
+    ks = [v for n, v in breakdown.items() if "sdpa" in n or "mosaic" in n]
+    return sum(ks) if ks else sum(breakdown.values())
+
+
+def print_table(results):
     print("\nheads impl                      us_total  TF/s  us_kernel TF/s_k  rel_err  ok")
     for r in results:
         if "error" in r:
@@ -234,7 +272,6 @@ def main():
         print(f"{r['heads']:>5} {r['impl']:<25} {r['us_total']:8.1f} {r['tflops_total']:5.0f}"
               f"  {r.get('us_kernel', float('nan')):8.1f} {r.get('tflops_kernel', float('nan')):5.0f}"
               f"  {r.get('rel_err') if r.get('rel_err') is None else round(r['rel_err'], 4)!s:>7}  {ok}")
-    return 0
 
 
 if __name__ == "__main__":

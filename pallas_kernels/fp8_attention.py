@@ -144,6 +144,90 @@ def _key_permutation(block_kv: int) -> np.ndarray:
     return idx.transpose(0, 2, 1, 3).reshape(-1)
 
 
+def _transpose_v_block(raw_ref, vt_ref):
+    """Memory-warpgroup code: V^T[slot] <- key-permuted transpose of a staged V block.
+
+    raw_ref: [bkv=128, D=128] e4m3, plain (as TMA wrote it: row = key, 128 bytes).
+    vt_ref: [D, bkv] e4m3, the plain alias of the wgmma's V^T buffer, whose bytes follow
+    the 128-byte swizzle: byte (d, c) sits at d*128 + ((c // 16) ^ (d % 8))*16 + c % 16.
+    Column c = 4t + 2h + v of a 16-key group g holds key 16g + 8h + 2t + v
+    (:func:`_key_permutation`), so each thread's 32-bit store word (columns 4t..4t+3)
+    gathers keys 16g + (2t, 2t+1, 2t+8, 2t+9).
+
+    Thread (warp w, lane l) owns d = 4l..4l+3 and, in iteration i < 8, the store word
+    wk = l ^ (8w + i) (g = wk // 4, t = wk % 4): four 32-bit loads (one per key, bank l:
+    conflict-free), a 4x4 byte transpose with 8 prmt, four 32-bit stores (bank
+    ((g ^ (d % 8)), t): a bijection of l for each store, conflict-free).
+    """
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def tr(ctx, raw, vt):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        c = lambda x: arith.constant(i32, x)
+        tid = utils.thread_idx()
+        lane = arith.andi(tid, c(31))
+        warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+        raw_p = utils.memref_ptr(raw)
+        vt_p = utils.memref_ptr(vt)
+        lane4 = arith.muli(lane, c(4))
+
+        def prmt(a, b, sel):
+            return utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", a, b, c(sel),
+                                    result_types=i32)
+
+        for it in range(8):
+            wk = arith.xori(lane, arith.addi(arith.muli(warp, c(8)), c(it)))
+            g = arith.shrui(wk, c(2))
+            t = arith.andi(wk, c(3))
+            key0 = arith.addi(arith.muli(g, c(16)), arith.muli(t, c(2)))
+            regs = []
+            for dk in (0, 1, 8, 9):
+                off = arith.addi(arith.muli(arith.addi(key0, c(dk)), c(128)), lane4)
+                regs.append(llvm.load(i32, utils.getelementptr(raw_p, [off], i8)))
+            r0, r1, r2, r3 = regs
+            t01l, t01h = prmt(r0, r1, 0x5140), prmt(r0, r1, 0x7362)
+            t23l, t23h = prmt(r2, r3, 0x5140), prmt(r2, r3, 0x7362)
+            outs = (prmt(t01l, t23l, 0x5410), prmt(t01l, t23l, 0x7632),
+                    prmt(t01h, t23h, 0x5410), prmt(t01h, t23h, 0x7632))
+            for j, o in enumerate(outs):
+                dd = arith.addi(lane4, c(j))
+                chunk = arith.xori(g, arith.andi(dd, c(7)))
+                off = arith.addi(arith.addi(arith.muli(dd, c(128)), arith.muli(chunk, c(16))),
+                                 arith.muli(t, c(4)))
+                llvm.store(o, utils.getelementptr(vt_p, [off], i8))
+
+    tr(raw_ref, vt_ref)
+
+
+def _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv, q_split=True):
+    """Wrapper-side work when the kernel reads V as stored: FP8 Q parts [P, Tq, H, D]
+    (unpadded), scales [H, 2, Tq'] and the slot bias [S'] (as :func:`_prepare_inputs`)."""
+    tq, h, d = q.shape
+    s_len = valid.shape[0]
+    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    s_pad = -(-s_len // block_kv) * block_kv
+    qf = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(qf), axis=-1)  # [Tq, H]
+    q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
+    qs = qf / q_rs[..., None]
+    q_hi = qs.astype(F8)
+    hi_f32 = lax.optimization_barrier(q_hi).astype(jnp.float32)
+    q8 = jnp.stack([q_hi, (qs - hi_f32).astype(F8)]) if q_split else q_hi[None]
+    logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
+    any_valid = jnp.any(valid).astype(jnp.float32)
+    out_sc = jnp.broadcast_to((v_scale.astype(jnp.float32) * any_valid)[None, :], (tq, h))
+    scales = jnp.pad(jnp.stack([logit.T, out_sc.T], axis=1), ((0, 0), (0, 0), (0, tq_pad - tq)))
+    bias = jnp.where(jnp.pad(valid, (0, s_pad - s_len)), 0.0, _MASK_BIAS).astype(jnp.float32)
+    return q8, scales, bias
+
+
 def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     """Wrapper-side work: FP8 Q with per-row scales, permuted V^T, the slot bias.
 
@@ -186,17 +270,26 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
 
 
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
-                        clip_out=True):
+                        clip_out=True, v_in_kernel=False):
     """The pallas kernel. q8 [P, Tq', H, D] e4m3, k8 [S, H, D] e4m3, vt [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
-    With clip_out the last query tile's store runs past Tq and TMA drops those rows."""
+    With clip_out the last query tile's store runs past Tq and TMA drops those rows.
+
+    v_in_kernel: ``vt`` is V itself, [S, H, D] e4m3 as the cache stores it, and q8 may
+    have any number of rows (Tq rows, unpadded; TMA zero-fills the rest of the last
+    tile). The memory warpgroup then TMA-loads each V block untransposed into a staging
+    buffer and writes it transposed (and key-permuted, see :func:`_key_permutation`)
+    into the wgmma's V^T buffer with 32-bit shared loads, byte permutes and 32-bit
+    shared stores, bank-conflict-free (:func:`_transpose_v_block`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental import mosaic as _mosaic  # noqa: F401
     import jax.experimental.mosaic.gpu as mgpu
 
-    n_parts, tq_pad, h, d = q8.shape
-    nb = vt.shape[-1] // block_kv
+    n_parts, tq_in, h, d = q8.shape
+    tq_pad = -(-tq_in // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    s_len = vt.shape[0] if v_in_kernel else vt.shape[-1]
+    nb = -(-s_len // block_kv)
     stages = min(stages, nb)
     n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
     out_rows = tq if clip_out else tq_pad
@@ -232,7 +325,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem), bars = scoped
-        (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars
+        (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
+        if v_in_kernel:
+            # q_smem2 = (tiled view for the wgmma, untiled view for the TMA)
+            q_smem2, q_smem2_tma = q_smem2
+            # v_smem = (tiled V^T for the wgmma, plain alias for the transpose)
+            v_smem, vt_plain = v_smem
+            v_raw, v_raw_bars = bars[3]
 
         def schedule_barrier():
             plgpu.barrier_arrive(sched)
@@ -243,9 +342,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.set_max_registers(232, action="increase")
             q_smem, o_smem, sc_smem = q_smem2.at[wg], o_smem2.at[wg], sc_smem2.at[wg]
             q0 = (lax.axis_index("q_tiles") * COMPUTE_WGS + wg) * BLOCK_Q
+            q_dst = q_smem2_tma.at[wg] if v_in_kernel else q_smem
             for part in range(n_parts):
+                # v_in_kernel: rows past Tq are zero-filled by TMA (no padded copy of Q)
                 plgpu.copy_gmem_to_smem(q_ref.at[part, pl.ds(q0, BLOCK_Q), head],
-                                        q_smem.at[part], q_bars.at[wg])
+                                        q_dst.at[part], q_bars.at[wg])
             plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)], sc_smem,
                                     q_bars.at[wg])
             plgpu.barrier_wait(q_bars.at[wg])
@@ -307,7 +408,49 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(q0, BLOCK_Q), head])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == COMPUTE_WGS)
+        def _memory_v_in_kernel():
+            # 232 + 232 + 48 = 512 registers per thread slot: the whole register file.
+            plgpu.set_max_registers(48, action="decrease")
+
+            def issue_k(j, slot):
+                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
+                                        k_smem_tma.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
+                                        b_smem.at[slot], k_bars.at[slot])
+
+            def issue_v(j, slot):
+                plgpu.copy_gmem_to_smem(vt_ref.at[pl.ds(j * block_kv, block_kv), head],
+                                        v_raw.at[slot], v_raw_bars.at[slot])
+
+            for i in range(stages):
+                issue_k(jnp.int32(i), i)
+                issue_v(jnp.int32(i), i)
+
+            @pl.loop(0, nb)
+            def _(j):
+                # K of block j - 1 + stages once both warpgroups' Q.K of block j - 1 is
+                # done; first, so that a K load never waits behind a transpose.
+                @pl.when(jnp.logical_and(j >= 1, j - 1 + stages < nb))
+                def _():
+                    ps = lax.rem(j - 1, stages)
+                    plgpu.barrier_wait(k_done.at[ps])
+                    issue_k(j - 1 + stages, ps)
+
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(v_raw_bars.at[slot])
+
+                @pl.when(j >= stages)
+                def _():  # the P.V of block j - stages has finished reading V^T[slot]
+                    plgpu.barrier_wait(v_done.at[slot])
+
+                _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
+                plgpu.commit_smem()  # generic-proxy stores -> visible to the wgmma
+                plgpu.barrier_arrive(v_bars.at[slot])
+
+                @pl.when(j + stages < nb)
+                def _():
+                    issue_v(j + stages, slot)
+
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
@@ -330,12 +473,22 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 plgpu.barrier_wait(v_done.at[slot])
                 issue(j + stages, slot)
 
+        pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if v_in_kernel else _memory)
+
     def entry(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref):
         sw = plgpu.SwizzleTransform(128)
         t8 = plgpu.TilingTransform((8, 128))
         t16 = plgpu.TilingTransform((8, 64))
+        q_shape = (COMPUTE_WGS, n_parts, BLOCK_Q, d)
+        q_spec = plgpu.SMEM(q_shape, F8, transforms=(t8, sw))
+        vt_spec = plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw))
+        if v_in_kernel:
+            q_spec = plgpu.RefUnion(q_spec, plgpu.SMEM(q_shape, F8, transforms=(sw,)))
+            # The plain alias sees the same bytes; _transpose_v_block applies the 128-byte
+            # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
+            vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, n_parts, BLOCK_Q, d), F8, transforms=(t8, sw)),
+            q_spec,
             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw)),
             plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             # K: TMA writes through an untiled view (the (8, 128) tiling of 128-byte
@@ -343,7 +496,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             # wgmma reads the tiled view of the same bytes.
             plgpu.RefUnion(plgpu.SMEM((stages, block_kv, d), F8, transforms=(t8, sw)),
                            plgpu.SMEM((stages, block_kv, d), F8, transforms=(sw,))),
-            plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw)),
+            vt_spec,
             plgpu.SMEM((stages, block_kv), jnp.float32),
         )
         bars = (
@@ -353,6 +506,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         )
+        if v_in_kernel:  # untransposed V staging buffers and their TMA barriers
+            bars = bars + ((plgpu.SMEM((stages, block_kv, d), F8),
+                            plgpu.Barrier(num_barriers=stages)),)
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref,
                                    (scoped[:6], scoped[6:])),
@@ -369,17 +525,27 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     )(q8, k8, vt, scales, bias)
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split"))
+@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
+                                             "v_in_kernel"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, *, block_kv: int = 128,
-                     stages: int = 2, clip_out: bool = False, q_split: bool = True):
+                     stages: int = 3, clip_out: bool = False, q_split: bool = True,
+                     v_in_kernel: bool = True):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention_reference`; K/V must be
-    float8_e4m3fn and D == 128.
+    float8_e4m3fn and D == 128. v_in_kernel=True: V is read as stored and transposed in
+    the kernel; False: the wrapper builds a permuted V^T with XLA (GPU run 1's kernel).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
         raise TypeError("attention_pallas needs float8_e4m3fn K/V")
+    if v_in_kernel:
+        q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
+                                                       q_split)
+        out = _fp8_attention_call(q8, k, v, scales, bias, tq=tq, block_kv=block_kv,
+                                  stages=stages, out_dtype=jnp.bfloat16, clip_out=clip_out,
+                                  v_in_kernel=True)
+        return out[:tq].astype(q.dtype)
     q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
                                            q_split)
     out_dtype = jnp.bfloat16

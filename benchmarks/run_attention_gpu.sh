@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call (2 x H200): FP8 attention tests and benchmark, every stage under its own
+# timeout, logs under $OUT (7 files). GPU 0: benchmark, contenders and GPU run 1's kernel
+# (V^T built by XLA) first, then the in-kernel-V variants, so that a failing or hanging
+# new variant cannot cost the known numbers. GPU 1, in parallel: the GPU tests.
+# CPU tests in the background on the host.
+# Usage: OUT=/some/dir bash benchmarks/run_attention_gpu.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
+( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+    tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/cpu_tests.txt" 2>&1 &
+( nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
+  CUDA_VISIBLE_DEVICES=1 timeout 140 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+    tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/gpu_tests.txt" 2>&1 &
+export CUDA_VISIBLE_DEVICES=0
+timeout 90 python3 benchmarks/bench_attention.py --out "$OUT" --tag _a --iters 20 \
+    --log /tmp/bench_log_a.txt --variants wt_split_s3 --contenders 1 > "$OUT/bench_a.txt" 2>&1
+echo "bench_a rc=$?"
+timeout 70 python3 benchmarks/bench_attention.py --out "$OUT" --tag _b --iters 20 \
+    --log /tmp/bench_log_b.txt --variants kv_split_s3,kv_split_s2,kv_single_s3 \
+    --contenders 0 > "$OUT/bench_b.txt" 2>&1
+echo "bench_b rc=$?"
+wait
+grep -h "rel_err\|passed\|failed\|rc=\|Error" "$OUT/gpu_tests.txt" | cut -c1-250 | tail -25
+tail -3 "$OUT/cpu_tests.txt"
+grep -h "Error\|error" "$OUT/bench_a.txt" "$OUT/bench_b.txt" | cut -c1-300 | head -8
+python3 benchmarks/bench_attention.py --table "$OUT/attention_results_a.json" \
+    "$OUT/attention_results_b.json" 2>&1 | tee "$OUT/table.txt"
