@@ -4,11 +4,16 @@ One run checks every variant against an f32 reference on fresh random inputs
 (outputs land in memory first filled with NaN, so an unwritten element shows),
 then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
 
-  gemm       XLA FP8 dot on pre-quantized operands, scaled, bf16 out (one device)
+  gemm       XLA FP8 dot on pre-quantized operands, bf16 out (one device), scale forms:
+             _f32 / _bf16: dot to f32 / bf16 then a multiply ('post', run 1);
+             _dequant: dot(convert(x8)*a, convert(w8)*b) (cuBLASLt A/B scales, bf16 out);
+             _dequant_m768: the same on x padded to 768 rows, [768, N] out (no pad/slice);
+             _linear: ``fp8_linear.linear`` from bf16 x (amax + quantization included)
   allreduce  ``lax.psum`` of the bf16 [M, N] output (NCCL)
   gemm+ar    the two in sequence ('psum' method)
   ppermute   ring reduce-scatter over row chunks overlapped with the matmul, then all-gather
-  fused      the Pallas Mosaic GPU fused GEMM + all-reduce kernel
+  fused      the Pallas Mosaic GPU fused GEMM + all-reduce kernel; configs: '' = run 1
+             (reduce='xla'), _m64, _tma (in-kernel TMA reduce-add), _tma_m64
   torch      ``torch._scaled_mm`` and a NCCL all-reduce (torch.distributed, 2 processes)
 
 hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce.
@@ -30,6 +35,7 @@ import traceback
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+T0 = time.time()  # the --budget-s clock starts at import
 M = 757
 D = 9216
 # name: (K, N, row_parallel)
@@ -108,7 +114,9 @@ def run_torch(out_dir, reps):
         return {"torch": {"error": "torch not installed"}}
     if torch.cuda.device_count() < 2:
         return {"torch": {"error": "needs 2 GPUs"}}
-    path = os.path.join(out_dir, "torch_raw.json")
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "torch_raw.json")  # not under --out
     tmp.spawn(_torch_worker, args=(2, path, reps), nprocs=2, join=True)
     with open(path) as f:
         return json.load(f)
@@ -118,11 +126,12 @@ def run_torch(out_dir, reps):
 def _configs():
     from pallas_kernels.fp8_gemm_allreduce import Config
 
-    return {"": Config(), "_m64": Config(tile_m=64, stages=4),
-            "_n64": Config(tile_n=64, stages=4)}
+    return {"": Config(), "_tma": Config(reduce="tma_add"),
+            "_tma_m64": Config(reduce="tma_add", tile_m=64, stages=4),
+            "_m64": Config(tile_m=64, stages=4)}
 
 
-def run_jax(reps, repeats, only=None):
+def run_jax(reps, repeats, only=None, deadline=None, save=None):
     import functools
 
     import jax
@@ -132,7 +141,8 @@ def run_jax(reps, repeats, only=None):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from characters_jax.parallel import row_parallel
-    from characters_jax.parallel.fp8_linear import Fp8Weight, fp8_dot, quantize_weight
+    from characters_jax.parallel.fp8_linear import (
+        Fp8Weight, dequant_dot, fp8_dot, linear, quantize_weight)
     from pallas_kernels import fp8_gemm_allreduce as fused
 
     devs = jax.devices()
@@ -175,6 +185,10 @@ def run_jax(reps, repeats, only=None):
         return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     def record(key, fn, args, check=None):
+        if deadline is not None and time.time() > deadline:
+            res[key] = {"error": "skipped: out of time"}
+            print(f"{key:32s} skipped (deadline)")
+            return
         try:
             us = bench(fn, args)
             entry = {"us": us}
@@ -187,6 +201,8 @@ def run_jax(reps, repeats, only=None):
             res[key] = {"error": (type(e).__name__ + ": " + str(e))[:800]}
             print(f"{key:32s} FAILED {res[key]['error'][:400]}")
             traceback.print_exc(limit=3)
+        if save is not None:
+            save(res)
 
     key = jax.random.key(seed)
     for name, (k, n, row) in SHAPES.items():
@@ -210,12 +226,21 @@ def run_jax(reps, repeats, only=None):
         xl = jax.device_put(x8[:, :k], devs[0])
         wl = jax.device_put(w8[:, :k], devs[0])
         ref_local = (xl.astype(jnp.float32) @ wl.astype(jnp.float32).T) * scale
+        a_bf, b_bf = jnp.bfloat16(1 / 16), jnp.bfloat16(1 / 32)  # exact in bf16
+        record(f"{name}/xla_fp8_gemm_dequant",
+               lambda a, b: dequant_dot(a, a_bf, b, b_bf, jnp.bfloat16), (xl, wl), ref_local)
         for acc_name, acc in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
             record(f"{name}/xla_fp8_gemm_{acc_name}", functools.partial(gemm, acc=acc),
                    (xl, wl), ref_local)
+        xl768 = jnp.pad(xl, ((0, 768 - M), (0, 0)))
+        record(f"{name}/xla_fp8_gemm_dequant_m768",
+               lambda a, b: dequant_dot(a, a_bf, b, b_bf, jnp.bfloat16), (xl768, wl))
+        xb = jax.device_put((x[:, :k] / 4).astype(jnp.bfloat16), devs[0])
+        wq = Fp8Weight(values=wl, scale=jax.device_put(jnp.float32(0.0104), devs[0]))
+        record(f"{name}/xla_fp8_gemm_linear", lambda a, w: linear(a, w), (xb, wq))
         res[f"{name}/flop"] = flop
         if row:
-            for cname, cfg in CONFIGS.items():
+            for cname, cfg in list(CONFIGS.items())[:1]:
                 record(f"{name}/pallas_fp8_gemm_tp1{cname}", jax.shard_map(
                     lambda a, b, cfg=cfg: fused.gemm_allreduce(a, b, sw, x_scale=sx, config=cfg,
                                                                use_kernel=True),
@@ -235,12 +260,14 @@ def run_jax(reps, repeats, only=None):
         record(f"{name}/allreduce_psum", jax.shard_map(
             lambda p: lax.psum(p, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P(),
             check_vma=False), (part,))
-        record(f"{name}/allreduce_ppermute", jax.shard_map(
-            lambda p: row_parallel.reduce(p, method="ppermute"), mesh=mesh, in_specs=P("tp"),
-            out_specs=P(), check_vma=False), (part,))
         record(f"{name}/gemm+psum", smap(
             lambda a, b: lax.psum(gemm(a, b, jnp.float32), "tp")), (xs, ws), ref)
 
+        for cname, cfg in CONFIGS.items():
+            record(f"{name}/fused_pallas{cname}", smap(
+                lambda a, b, cfg=cfg: fused.gemm_allreduce(a, b, sw, x_scale=sx, config=cfg,
+                                                           use_kernel=True)),
+                (xs, ws), ref)
         def ring(a, b):
             mc = -(-M // tp)
             ap = jnp.pad(a, ((0, mc * tp - M), (0, 0)))
@@ -248,11 +275,6 @@ def run_jax(reps, repeats, only=None):
             return row_parallel._ring_all_reduce_rows(chunk, M, tp, "tp")
 
         record(f"{name}/ppermute_ring", smap(ring), (xs, ws), ref)
-        for cname, cfg in CONFIGS.items():
-            record(f"{name}/fused_pallas{cname}", smap(
-                lambda a, b, cfg=cfg: fused.gemm_allreduce(a, b, sw, x_scale=sx, config=cfg,
-                                                           use_kernel=True)),
-                (xs, ws), ref)
 
     # One block: attention-out + MLP-down summed, one reduction, through the model's API
     # (activations quantized inside, per tensor, on the device).
@@ -269,7 +291,7 @@ def run_jax(reps, repeats, only=None):
         args = (jax.device_put(a, xsp), jax.device_put(b, xsp),
                 jax.device_put(wo, wsp), jax.device_put(wd, wsp))
         wspec = Fp8Weight(values=P(None, "tp"), scale=P())
-        for method in ("psum", "ppermute", "pallas"):
+        for method in ("psum", "pallas"):
             record(f"block/{method}", jax.shard_map(
                 lambda a, b, wo, wd, method=method: row_parallel.row_parallel_matmul_reduce(
                     [(a, wo), (b, wd)], method=method),
@@ -283,11 +305,15 @@ def summarize(res):
     for name, (k, n, row) in SHAPES.items():
         g = res.get(f"{name}/xla_fp8_gemm_f32", {}).get("us")
         gb = res.get(f"{name}/xla_fp8_gemm_bf16", {}).get("us")
+        gd = res.get(f"{name}/xla_fp8_gemm_dequant", {}).get("us")
         t = res.get(f"{name}/torch_scaled_mm", {}).get("us")
         flop = 2 * M * k * n
         line = {"shape": f"{name} {M}x{k}x{n}", "xla_gemm_us": g, "xla_gemm_bf16_us": gb,
+                "xla_gemm_dequant_us": gd,
+                "xla_gemm_dequant_m768_us": res.get(f"{name}/xla_fp8_gemm_dequant_m768", {}).get("us"),
+                "linear_api_us": res.get(f"{name}/xla_fp8_gemm_linear", {}).get("us"),
                 "torch_mm_us": t}
-        best = min([v for v in (g, gb) if v] or [None]) if (g or gb) else None
+        best = min([v for v in (g, gb, gd) if v] or [None]) if (g or gb or gd) else None
         if best and t:
             line["xla_over_torch"] = best / t
             line["xla_tflops"] = flop / best / 1e6
@@ -312,7 +338,7 @@ def summarize(res):
         rows.append(line)
     rows.append({"shape": "block o+down (API, quantize inside)",
                  **{f"{m}_us": res.get(f"block/{m}", {}).get("us")
-                    for m in ("psum", "ppermute", "pallas")}})
+                    for m in ("psum", "pallas")}})
     return rows
 
 
@@ -324,6 +350,8 @@ def main():
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--shrink", type=int, default=1, help="divide K and N (CPU smoke runs)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip the remaining JAX variants after this many seconds")
     args = ap.parse_args()
     for name, (k, n, row) in list(SHAPES.items()):
         SHAPES[name] = (k // args.shrink, n // args.shrink, row)
@@ -335,9 +363,17 @@ def main():
         except Exception as e:  # noqa: BLE001
             res["torch"] = {"error": repr(e)[:500]}
             traceback.print_exc()
-    res.update(run_jax(args.reps, args.repeats, args.only))
+    t_start = T0
+    out_json = os.path.join(args.out, "gemm_allreduce.json")
+
+    def save(partial):
+        with open(out_json, "w") as f:
+            json.dump({"raw": {**res, **partial}, "partial": True}, f, indent=1)
+
+    deadline = t_start + args.budget_s if args.budget_s else None
+    res.update(run_jax(args.reps, args.repeats, args.only, deadline=deadline, save=save))
     rows = summarize(res)
-    with open(os.path.join(args.out, "gemm_allreduce.json"), "w") as f:
+    with open(out_json, "w") as f:
         json.dump({"raw": res, "summary": rows}, f, indent=1)
     print("\n==== summary (microseconds; hidden = share of the psum all-reduce hidden) ====")
     for r in rows:
