@@ -74,6 +74,23 @@ def _compiled_hlo(x, wq):
     return jax.jit(linear).lower(x, wq).compile().as_text()
 
 
+def test_dequant_pattern_in_hlo_and_scales_consistent():
+    """'dequant': convert(f8)->bf16 * scalar feeds a bf16 dot; a and b are exact in bf16."""
+    from characters_jax.parallel.fp8_linear import quantize_for_dequant_dot
+
+    x, w = _inputs(np.random.SeedSequence().entropy % 2**31, m=64, k=128, n=256)
+    wq = Fp8Weight(values=quantize_weight(w).values, scale=jnp.float32(0.0104))  # not bf16-exact
+    text = jax.jit(lambda x, w: linear(x, w, scale_mode="dequant")).lower(x, wq).as_text()
+    assert "f8E4M3FN>) -> tensor<64x128xbf16>" in text
+    assert "tensor<256x128xbf16>) -> tensor<64x256xbf16>" in text  # the dot, weight as stored
+    x8, a, b = jax.jit(quantize_for_dequant_dot)(x, wq.scale)
+    assert a.dtype == b.dtype == jnp.bfloat16
+    assert float(np.abs(np.asarray(x8, np.float32)).max()) <= 448.0
+    # a * b reproduces x_scale * w_scale with x8 * a * b ~= x * w_scale.
+    approx = np.asarray(x8, np.float64) * float(a) * float(b)
+    np.testing.assert_allclose(approx, np.asarray(x, np.float64) * 0.0104, rtol=0.07, atol=float(a) * float(b))
+
+
 def test_weight_is_not_transposed_outside_the_dot():
     """The (N, K) FP8 weight must reach the dot as stored: no transpose/copy of it."""
     x, w = _inputs(5, m=64, k=128, n=256)
@@ -92,6 +109,12 @@ def test_fp8_dot_is_cublaslt_fp8_gemm_on_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     x, w = _inputs(7, m=757, k=512, n=1024)
-    for per_channel in (False, True):
-        compiled = _compiled_hlo(x, quantize_weight(w, per_channel=per_channel))
-        assert "__cublas$lt$matmul$f8" in compiled, compiled
+    for mode in ("dequant", "post"):
+        for per_channel in (False, True):
+            wq = quantize_weight(w, per_channel=per_channel)
+            compiled = jax.jit(lambda x, w: linear(x, w, scale_mode=mode)).lower(x, wq).compile().as_text()
+            calls = [l for l in compiled.splitlines() if "__cublas$lt$matmul$f8" in l]
+            assert calls, compiled
+            if mode == "dequant" and not per_channel:
+                # Both scales are operands of the FP8 call and it writes bf16 itself.
+                assert any("bf16[" in l.split("custom-call(")[0] for l in calls), calls
