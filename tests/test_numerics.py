@@ -1,0 +1,114 @@
+"""The numerics harness on 4 virtual CPU devices (tiny config, bf16 activations as in the
+serving configs): honest variants are within the reference's run-to-run spread, deliberately
+broken ones (a wrong RoPE offset, a mis-scaled FP8 cache) are flagged."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from characters_jax.cache import kv_cache as kvc
+from characters_jax.numerics import harness as H
+from characters_jax.numerics import report as rep
+from characters_jax.numerics.metrics import Divergence, Spread, judge, psnr, rel_l2
+from characters_jax.numerics.runs import nudge_ulp, reference_plan
+
+SETTINGS = H.Settings(config="tiny", tp=4, steps=6, runs=4, dtype="bfloat16", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    setup = H.prepare(SETTINGS)
+    return setup, H.run_reference(setup)
+
+
+def verdict(harness, traj):
+    setup, ref = harness
+    report = H.evaluate(setup, ref, [traj])
+    return report.rows[0], report
+
+
+def test_reference_spread_is_real_and_small(harness):
+    _, ref = harness
+    s = ref.spread
+    assert [r.kind for r in ref.plan] == ["base", "ulp", "tp", "ulp"]
+    assert 1e-5 < s.latent_mean <= s.latent_worst < 1e-2  # bf16 rounding, not chaos
+    assert 40 < s.psnr_worst <= s.psnr_mean < 150
+    assert np.isfinite(ref.base.latents).all()
+
+
+@pytest.mark.parametrize("name", ["ring-bf16", "ring-fp8", "ppermute"])
+def test_honest_variants_are_within_spread(harness, name):
+    setup, ref = harness
+    row, _ = verdict(harness, H.run_variant(setup, name, ref.base_frames))
+    print(f"{name}: mean {row.latent_mean:.2e} worst {row.latent_worst:.2e} vs spread {ref.spread.latent_mean:.2e}")
+    assert row.ok and row.leaves_band_at is None
+
+
+def test_wrong_rope_offset_is_flagged(harness, monkeypatch):
+    """Ring keys rotated one frame late: every relative time distance is off by one."""
+    setup, ref = harness
+    write = kvc.write
+
+    def late_write(layout, cache, layer, offset, k, v, positions, freqs):
+        if layout.mode == "ring":
+            positions = positions + jnp.array([1, 0, 0], positions.dtype)
+        return write(layout, cache, layer, offset, k, v, positions, freqs)
+
+    monkeypatch.setattr(kvc, "write", late_write)
+    row, report = verdict(harness, H.run_variant(setup, "ring-bf16", ref.base_frames))
+    assert not row.mean_ok and not row.worst_ok
+    assert row.leaves_band_at is not None and report.flagged == ["ring-bf16"]
+
+
+def test_misscaled_fp8_cache_is_flagged(harness, monkeypatch):
+    """K/V quantized with a scale 10% off the one attention dequantizes with."""
+    setup, ref = harness
+    quantize = kvc.quantize
+    monkeypatch.setattr(kvc, "quantize", lambda x, scale: quantize(x, scale * 1.1))
+    row, report = verdict(harness, H.run_variant(setup, "ring-fp8", ref.base_frames))
+    assert not row.ok and row.leaves_band_at is not None
+    assert report.flagged == ["ring-fp8"]
+
+
+def test_unavailable_variants_are_skipped_with_a_note(harness):
+    setup, ref = harness
+    traj = H.run_variant(setup, "fused-reduce", ref.base_frames)
+    assert traj.skipped and "Hopper" in traj.note
+    row, report = verdict(harness, traj)
+    assert report.flagged == []  # skipped is not flagged
+    assert "skipped" in rep.table(report)
+
+
+def test_outputs(harness, tmp_path):
+    setup, ref = harness
+    report = H.evaluate(setup, ref, [])
+    text = rep.table(report)
+    assert "reference spread" in text and "ref tp=1" in text
+    rep.write_json(report, tmp_path / "n.json")
+    data = json.loads((tmp_path / "n.json").read_text())
+    assert len(data["spread"]["band"]) == SETTINGS.steps and data["flagged"] == []
+    pytest.importorskip("matplotlib")
+    rep.plot(report, tmp_path / "n.png")
+    assert (tmp_path / "n.png").stat().st_size > 10_000
+
+
+def test_nudge_is_one_ulp():
+    x = np.random.RandomState(0).randn(1000).astype(jnp.bfloat16).astype(np.float32)
+    y = nudge_ulp(x, jnp.bfloat16, seed=1)
+    ulp = np.abs(np.spacing(x.astype(jnp.bfloat16)).astype(np.float32))
+    d = np.abs(y - x)
+    assert (d > 0).all() and (d <= ulp * 1.0001).all() and (d >= ulp * 0.4999).all()
+    assert np.array_equal(nudge_ulp(np.zeros(3, np.float32), jnp.float32, 0), np.zeros(3))
+
+
+def test_reference_plan_and_verdict_logic():
+    plan = reference_plan(6, tp=2, num_heads=72, devices=2, repeat=True)
+    assert [(r.kind, r.tp) for r in plan] == [("base", 2), ("ulp", 2), ("tp", 1), ("repeat", 2), ("ulp", 2), ("ulp", 2)]
+    base = np.ones((4, 2, 2, 3), np.float32)
+    assert np.allclose(rel_l2(base * 1.01, base), 0.01) and psnr(base, base).max() == 150.0
+    spread = Spread.of([Divergence(np.full(4, 1e-3), None)], factor=2.0, floor=1e-6)
+    assert judge("a", Divergence(np.full(4, 1.9e-3), None), spread).ok
+    late = judge("b", Divergence(np.array([1e-3, 1e-3, 3e-3, 1e-3]), None), spread)
+    assert late.mean_ok and not late.worst_ok and late.leaves_band_at == 2
