@@ -11,13 +11,13 @@ OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
 ( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
     tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/cpu_tests.txt" 2>&1 &
 ( nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
-  CUDA_VISIBLE_DEVICES=1 timeout 140 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
+  CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
     tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/gpu_tests.txt" 2>&1 &
 export CUDA_VISIBLE_DEVICES=0
-timeout 90 python3 benchmarks/bench_attention.py --out "$OUT" --tag _a --iters 20 \
+timeout 80 python3 benchmarks/bench_attention.py --out "$OUT" --tag _a --iters 20 \
     --log /tmp/bench_log_a.txt --variants wt_split_s3 --contenders 1 > "$OUT/bench_a.txt" 2>&1
 echo "bench_a rc=$?"
-timeout 70 python3 benchmarks/bench_attention.py --out "$OUT" --tag _b --iters 20 \
+timeout 60 python3 benchmarks/bench_attention.py --out "$OUT" --tag _b --iters 20 \
     --log /tmp/bench_log_b.txt --variants kv_split_s3,kv_split_s2,kv_single_s3 \
     --contenders 0 > "$OUT/bench_b.txt" 2>&1
 echo "bench_b rc=$?"
