@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decoder", choices=("config", "small", "none"), default="config",
                    help="decoder for frame PSNR: the config's, one with channels / 8, or none")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds after which variants not yet started are skipped (with a note)")
     p.add_argument("--json", default=None, help="write the full result (curves, table, notes) here")
     p.add_argument("--plot", default=None, help="write a PNG of divergence against step here")
     p.add_argument("--table", default=None, help="write the markdown table here")
@@ -42,8 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args) -> int:
-    if "jax" not in sys.modules and args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # On CPU the mesh needs virtual devices; the flag does nothing on other backends.
+    if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # On CPU the mesh needs virtual devices (read when the backend starts, which no
+        # command import does); the flag does nothing on other backends.
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(args.tp, 4)}".strip()
     from characters_jax.numerics import report as rep
     from characters_jax.numerics.harness import Settings, run
@@ -57,19 +60,23 @@ def _main(args) -> int:
     settings = Settings(config=args.config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
                         blocks=args.blocks, dtype=args.dtype, ref_cache_dtype=args.ref_cache_dtype,
                         factor=args.factor, floor=args.floor, decoder=args.decoder, seed=args.seed,
-                        verbose=not args.quiet)
-    report = run(settings)
-    if report.config.model.dtype == "float32":
-        report.notes.append("activations float32: the reference's spread is float32 rounding, so any bf16/FP8 storage "
-                            "lies outside it; --dtype bfloat16 matches the serving configs")
+                        verbose=not args.quiet, time_budget_s=args.time_budget)
+
+    def save(report, final: bool) -> None:
+        if report.config.model.dtype == "float32" and final:
+            report.notes.append("activations float32: the reference's spread is float32 rounding, so any bf16/FP8 "
+                                "storage lies outside it; --dtype bfloat16 matches the serving configs")
+        if args.json:
+            rep.write_json(report, args.json)
+        if args.table:
+            with open(args.table, "w") as fh:
+                fh.write(rep.header(report) + "\n\n" + rep.table(report) + "\n")
+        if args.plot and final:
+            rep.plot(report, args.plot)
+
+    report = run(settings, on_progress=lambda r: save(r, final=False))
+    save(report, final=True)
     text = rep.table(report)
-    if args.json:
-        rep.write_json(report, args.json)
-    if args.plot:
-        rep.plot(report, args.plot)
-    if args.table:
-        with open(args.table, "w") as fh:
-            fh.write(rep.header(report) + "\n\n" + text + "\n")
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(rep.header(report))
     for n in report.notes:

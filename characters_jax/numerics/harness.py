@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 import traceback
 
 import jax
@@ -47,6 +48,7 @@ class Settings:
     seed: int = 0
     sync_each_step: bool | None = None  # None: on CPU
     verbose: bool = True
+    time_budget_s: float | None = None  # variants not started by then are skipped (noted)
 
 
 @dataclasses.dataclass
@@ -59,6 +61,7 @@ class Setup:
     decoder: object | None
     timer: R.Timer
     notes: list[str]
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
     def log(self, msg: str) -> None:
         if self.settings.verbose:
@@ -115,6 +118,7 @@ def build_config(settings: Settings) -> Config:
 
 
 def prepare(settings: Settings) -> Setup:
+    started = time.perf_counter()
     cfg = build_config(settings)
     ref_cfg = R.reference_config(cfg, settings.ref_cache_dtype)
     timer = R.Timer()
@@ -136,7 +140,7 @@ def prepare(settings: Settings) -> Setup:
             notes.append(f"frames decoded with a reduced decoder (channels {list(dcfg.decoder.channels)}, same structure), fixed random weights")
         else:
             notes.append(f"frames decoded with the config's decoder (channels {list(dcfg.decoder.channels)}), fixed random weights, every step")
-    return Setup(settings, ref_cfg, engine, params, inputs, decoder, timer, notes)
+    return Setup(settings, ref_cfg, engine, params, inputs, decoder, timer, notes, started)
 
 
 def _sync(setup: Setup) -> bool:
@@ -238,8 +242,18 @@ def _curve(d: Divergence) -> dict[str, list[float]]:
     return {"latent": [float(x) for x in d.latent], "psnr": None if d.frames is None else [float(x) for x in d.frames]}
 
 
-def run(settings: Settings) -> Report:
+def run(settings: Settings, on_progress=None) -> Report:
+    """Everything; `on_progress(report)` is called after the reference and after each variant
+    (the report so far: a run cut short still leaves its results)."""
     setup = prepare(settings)
     ref = run_reference(setup)
-    trajs = [run_variant(setup, name, ref.base_frames) for name in settings.variants]
+    trajs = []
+    for name in settings.variants:
+        if on_progress is not None:
+            on_progress(evaluate(setup, ref, trajs))
+        elapsed = time.perf_counter() - setup.started
+        if settings.time_budget_s is not None and elapsed > settings.time_budget_s:
+            trajs.append(Trajectory(name, None, note=f"skipped: time budget of {settings.time_budget_s:g} s spent", skipped=True))
+            continue
+        trajs.append(run_variant(setup, name, ref.base_frames))
     return evaluate(setup, ref, trajs)
