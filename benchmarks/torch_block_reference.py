@@ -43,6 +43,7 @@ import pathlib
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -570,7 +571,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
-    torch_res = {"skipped": "--no-torch"} if a.no_torch else run_torch(sh, iters, reps, a.warmup, a.torch_timeout, out.parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch_res = {"skipped": "--no-torch"} if a.no_torch else run_torch(sh, iters, reps, a.warmup, a.torch_timeout, pathlib.Path(tmp))
     print(f"[block] torch side in {time.perf_counter() - t0:.1f} s: {torch_res.get('error') or torch_res.get('skipped') or 'ok'}", flush=True)
     if torch_res.get("traceback"):
         print(torch_res["traceback"], file=sys.stderr)

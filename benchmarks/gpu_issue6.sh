@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 6 in one device call on nvidia-h200-x2 (at most ~9 minutes):
+#   1. characters-57b tp=2 bench with a profiler breakdown, for the ablation variants
+#        launch       launch cache,  cuDNN attention,      psum
+#        ring_cudnn   ring cache,    cuDNN attention,      psum
+#        ring_fp8     ring cache,    FP8 Pallas attention, psum
+#        ring_fused   ring cache,    FP8 Pallas attention, fused Pallas GEMM + all-reduce
+#   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
+#   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
+#   4. the breakdown plot
+# Run from the repository root:   bash benchmarks/gpu_issue6.sh
+# Everything goes to $OUT (8 files at most come back): 4 bench JSONs, block_reference.json,
+# decoder_timing.json, breakdown.png, logs.tar.gz (logs, per-variant breakdown.json, HLO text).
+# Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
+# failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+# Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all four),
+# CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
+# ATTN_CUDNN (cudnn), ATTN_FP8 (pallas), REDUCE_FUSED (pallas): the impls of the variants.
+# CPU smoke test: CONFIG=tiny BLOCK_ARGS=--dry-run ATTN_CUDNN=xla ATTN_FP8=reference REDUCE_FUSED=ppermute \
+#   XLA_FLAGS=--xla_force_host_platform_device_count=2 bash benchmarks/gpu_issue6.sh
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
+OUT=${OUT:-out/gpu_issue6}
+STEPS=${STEPS:-20}
+WARMUP=${WARMUP:-3}
+PROFILE_STEPS=${PROFILE_STEPS:-3}
+DEADLINE_S=${DEADLINE_S:-530}
+VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_fused"}
+CONFIG=${CONFIG:-characters-57b}
+BLOCK_ARGS=${BLOCK_ARGS:-}
+ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
+ATTN_FP8=${ATTN_FP8:-pallas}
+REDUCE_FUSED=${REDUCE_FUSED:-pallas}
+LOGS="$OUT/logs"
+mkdir -p "$OUT" "$LOGS"
+START=$SECONDS
+
+# guarded NAME LIMIT_S CMD...: runs CMD with a timeout of min(LIMIT_S, time left - 20 s),
+# output to $LOGS/NAME.log; never stops the script.
+guarded() {
+  local name=$1 limit=$2; shift 2
+  local left=$(( DEADLINE_S - (SECONDS - START) - 20 ))
+  (( left < limit )) && limit=$left
+  if (( limit < 20 )); then
+    echo "== $name: skipped (${left}s left)" | tee -a "$LOGS/summary.log"
+    return 0
+  fi
+  echo "== $name (timeout ${limit}s, t=$(( SECONDS - START ))s)"
+  timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( SECONDS - START ))s total" | tee -a "$LOGS/summary.log"
+  grep -vE "^\[bench\] step [0-9]+/|DeprecationWarning|^\s*$" "$LOGS/$name.log" | tail -25
+  return 0
+}
+
+# The bench sub-command without going through the CLI's other command modules.
+BENCH=(python3 -c 'import argparse, sys
+from characters_jax.engine import bench
+p = argparse.ArgumentParser(prog="characters-jax")
+bench.register(p.add_subparsers())
+a = p.parse_args(["bench"] + sys.argv[1:])
+sys.exit(a.func(a))')
+
+{ nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm,clocks.max.sm --format=csv; nvidia-smi topo -m; } > "$LOGS/gpus.txt" 2>&1 || true
+python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())" > "$LOGS/env.txt" 2>&1 || true
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.device_count())" >> "$LOGS/env.txt" 2>&1 || true
+cat "$LOGS/env.txt"
+
+for v in $VARIANTS; do
+  case $v in
+    launch)     opts=(--mode launch --attention "$ATTN_CUDNN" --reduce psum) ;;
+    ring_cudnn) opts=(--mode ring --attention "$ATTN_CUDNN" --reduce psum) ;;
+    ring_fp8)   opts=(--mode ring --attention "$ATTN_FP8" --reduce psum) ;;
+    ring_fused) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED") ;;
+    *) echo "unknown variant $v"; continue ;;
+  esac
+  guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp 2 "${opts[@]}" \
+    --steps "$STEPS" --warmup "$WARMUP" --progress 10 --upkeep-steps-per-call 4 \
+    --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp2_$v.json"
+done
+
+guarded block_reference 150 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" --torch-timeout 80 $BLOCK_ARGS
+guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device 1 --chunks 20 --json "$OUT/decoder_timing.json"
+guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp2_*.json --out "$OUT/breakdown.png"
+
+# Logs, the per-variant breakdown.json and HLO text (the raw traces stay behind: too large).
+( cd "$LOGS" && find . -maxdepth 2 \( -name "*.log" -o -name "*.txt" -o -name "breakdown.json" \) -size -8M -print0 \
+    | tar --null -czf "$OUT/logs.tar.gz" -T - ) || echo "packing logs failed"
+rm -rf "$LOGS"
+
+python3 - "$OUT" <<'EOF' || true
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+PEAK = 1979.0  # H200 dense FP8 TFLOP/s (datasheet)
+print("\n== issue 6 summary (tp=2)")
+print(f"{'variant':<11} {'p50 ms':>8} {'p99 ms':>8} {'reset ms':>9} {'fps':>6} {'TFLOP/s/GPU':>11} {'%FP8pk':>7} {'upkeep%':>8} | "
+      f"{'upk':>6} {'attn':>6} {'gemm':>6} {'g+ar':>6} {'coll':>6} {'other':>6} {'busy':>6} {'gap':>6}")
+for p in sorted(out.glob("step57b_tp2_*.json")):
+    r = json.loads(p.read_text())
+    s, b = r["step_ms"], r.get("breakdown") or {}
+    c = b.get("components_ms", {})
+    reset = ",".join(f"{t:.0f}" for t in r.get("reset_step_ms", [])) or "-"
+    comp = " ".join(f"{c.get(k, float('nan')):6.1f}" for k in ("cache_upkeep", "attention", "gemm", "gemm_allreduce", "collective", "other"))
+    gap = b.get("launch_gap_ms")
+    print(f"{p.stem.replace('step57b_tp2_', ''):<11} {s['p50']:8.1f} {s['p99']:8.1f} {reset:>9} {r['fps']:6.1f} "
+          f"{r['effective_tflops_per_device']:11.0f} {100 * r['effective_tflops_per_device'] / PEAK:6.1f}% "
+          f"{100 * r['cache_upkeep_share']:7.1f}% | {comp} {b.get('busy_ms', float('nan')):6.1f} {gap if gap is not None else float('nan'):6.1f}"
+          + (f"  profile error: {b['error']}" if "error" in b else ""))
+br = out / "block_reference.json"
+if br.exists():
+    r = json.loads(br.read_text())
+    rat = r.get("ratios", {})
+    print("block JAX/PyTorch:", ", ".join(f"{k} {v:.2f}" for k, v in rat.items()) or "no ratios",
+          "|", r.get("torch", {}).get("error", ""), r.get("jax", {}).get("error", ""))
+dt = out / "decoder_timing.json"
+if dt.exists():
+    r = json.loads(dt.read_text())
+    print(f"decoder {r['frames_shape']}: {r['latency_ms']['p50']:.1f} ms/chunk (pipelined {r['pipelined_ms']:.1f}, "
+          f"with host copy {r['with_copy_ms']['p50']:.1f}); target <= 60 ms")
+print("files:", " ".join(sorted(x.name for x in out.iterdir())))
+EOF
