@@ -88,6 +88,9 @@ def test_classify_by_hlo_and_by_kernel_name():
     assert idx.classify("all-reduce-start.3", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == ("collective", "out_down_reduce")
     assert idx.classify("add_rsqrt_fusion", "add_rsqrt_fusion") == ("other", "unscoped")
     assert idx.is_container("while.9")
+    # No hlo_op stat (e.g. kernels replayed from a command buffer): the fusion's kernel name.
+    assert idx.classify(None, "loop_convert_fusion") == ("cache_upkeep", "cache_upkeep")
+    assert idx.classify(None, "triton_gemm_2") == ("gemm", "mlp_up")
     # Events that name no instruction of the program: the kernel name decides.
     none = HloIndex("")
     assert none.classify(None, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL")[0] == "collective"

@@ -130,6 +130,10 @@ def parse_hlo(hlo_text: str) -> tuple[dict[str, OpInfo], dict[str, list[str]]]:
     return ops, comps
 
 
+def _sanitize(name: str) -> str:
+    return name.replace(".", "_").replace("-", "_")
+
+
 def scope_of(op_name: str) -> str:
     """The innermost of the step's named scopes in an op_name path, else 'unscoped'."""
     for part in reversed(op_name.split("/")):
@@ -147,6 +151,12 @@ class HloIndex:
         m = re.match(r"HloModule\s+([\w.\-]+)", first)
         self.module = m.group(1) if m else None
         self._fused_opcodes: dict[str, frozenset] = {}
+        # GPU kernels of XLA fusions are named after the instruction with '.' and '-' as '_'.
+        self._by_kernel_name = {_sanitize(n): info for n, info in self.ops.items()}
+
+    def lookup(self, hlo_op: str | None, kernel: str) -> OpInfo | None:
+        """The instruction an event ran: by its hlo_op stat, else by its kernel name."""
+        return self.ops.get(hlo_op or "") or self.ops.get(kernel) or self._by_kernel_name.get(_sanitize(kernel))
 
     def fused_opcodes(self, info: OpInfo) -> frozenset:
         """Opcodes inside a fusion's called computations (recursively), incl. custom-call targets."""
@@ -167,8 +177,8 @@ class HloIndex:
         self._fused_opcodes[info.name] = frozenset(out)
         return self._fused_opcodes[info.name]
 
-    def is_container(self, hlo_op: str | None) -> bool:
-        info = self.ops.get(hlo_op or "")
+    def is_container(self, hlo_op: str | None, kernel: str = "") -> bool:
+        info = self.lookup(hlo_op, kernel)
         return info is not None and info.opcode in _CONTAINER_OPCODES
 
     def classify(self, hlo_op: str | None, kernel: str, stat_scope: str = "") -> tuple[str, str]:
@@ -177,7 +187,7 @@ class HloIndex:
         hlo_op: the event's HLO instruction name (or None); kernel: the event (kernel) name;
         stat_scope: an op_name-like path carried by the event itself, if any.
         """
-        info = self.ops.get(hlo_op or "") or self.ops.get(kernel)
+        info = self.lookup(hlo_op, kernel)
         scope = scope_of(info.op_name if info is not None and info.op_name else stat_scope)
         opcode = info.opcode if info is not None else ""
         target = info.target if info is not None else ""
@@ -351,7 +361,7 @@ def compute_breakdown(events: list[DeviceEvent], index: HloIndex, steps: int, wa
     total_ns = 0.0
     for e, t in zip(events, self_ns):
         d = per_dev.setdefault(e.device, {"components_ns": {c: 0.0 for c in COMPONENTS}, "intervals": [], "n": 0})
-        if index.is_container(e.hlo_op):
+        if index.is_container(e.hlo_op, e.kernel):
             continue  # while / conditional / call: their bodies' ops are counted themselves
         comp, scope = index.classify(e.hlo_op, e.kernel, e.scope_hint)
         d["components_ns"][comp] += t
@@ -362,7 +372,7 @@ def compute_breakdown(events: list[DeviceEvent], index: HloIndex, steps: int, wa
         rec[0] += t
         rec[1] += 1
         total_ns += t
-        if (e.hlo_op or "") in index.ops:
+        if index.lookup(e.hlo_op, e.kernel) is not None:
             found_ns += t
     per_dev = {k: v for k, v in per_dev.items() if v["n"]}
     ndev = max(1, len(per_dev))
