@@ -112,3 +112,13 @@ def test_reference_plan_and_verdict_logic():
     assert judge("a", Divergence(np.full(4, 1.9e-3), None), spread).ok
     late = judge("b", Divergence(np.array([1e-3, 1e-3, 3e-3, 1e-3]), None), spread)
     assert late.mean_ok and not late.worst_ok and late.leaves_band_at == 2
+
+
+def test_identical_reference_runs_do_not_shrink_the_spread():
+    """A GPU repeat that happens to be bit-identical is determinism, not spread."""
+    perturbed = Divergence(np.full(5, 2e-3), np.full(5, 48.0))
+    identical = Divergence(np.zeros(5), np.full(5, 150.0))
+    s = Spread.of([perturbed, identical], factor=2.0, floor=1e-6)
+    assert s.latent_mean == pytest.approx(2e-3) and s.psnr_mean == pytest.approx(48.0)
+    only_identical = Spread.of([identical], factor=2.0, floor=1e-6)
+    assert only_identical.latent_worst == 0.0 and only_identical.band.min() == 1e-6

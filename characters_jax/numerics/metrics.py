@@ -70,8 +70,13 @@ class Spread:
 
     @classmethod
     def of(cls, runs: list[Divergence], factor: float, floor: float) -> "Spread":
+        """Runs identical to the base (e.g. a GPU repeat that happened to be deterministic)
+        show determinism, not spread: they are left out, unless every run is identical
+        (then the spread is zero and `floor` sets the band). Counting them would pull the
+        mean distance towards 0 and the mean PSNR towards the cap."""
         if not runs:
             raise ValueError("the spread needs at least one perturbed reference run")
+        runs = [d for d in runs if float(np.max(d.latent)) > 0.0] or runs
         lat = np.stack([d.latent for d in runs])  # [R-1, K]
         frames = [d.frames for d in runs if d.frames is not None]
         fr = np.stack(frames) if len(frames) == len(runs) else None

@@ -8,7 +8,7 @@ FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
 (no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
 
 How the scales are applied (``SCALE_MODE``, env ``CHARACTERS_FP8_SCALE``):
-  'dequant' (per-tensor weights; default): the dot is written as XLA's GEMM
+  'dequant' (per-tensor weights): the dot is written as XLA's GEMM
       rewriter expects a dequantized FP8 GEMM,
       ``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` with scalar a, b, so
       both scales become the cuBLASLt call's A/B scale operands and the GEMM
@@ -18,8 +18,12 @@ How the scales are applied (``SCALE_MODE``, env ``CHARACTERS_FP8_SCALE``):
       rounded up to a bf16 value), so the scale the GEMM applies is the one the
       quantization used.  (Without the rewrite, e.g. on CPU, the bf16 multiply
       rounds each element once: relative error <= 2^-9.)
-  'post': FP8 dot to f32, then one multiply by x_scale * w_scale (scalar or [N])
-      and a convert: an extra pass over the output unless XLA folds it.
+  'post' (default): FP8 dot to f32, then one multiply by x_scale * w_scale (scalar
+      or [N]) and a convert: an extra pass over the output unless XLA folds it.
+      Default because, inside the characters-57b step (60 blocks under scan, weights
+      sliced per layer), 'dequant' was not rewritten: XLA materialized each layer's
+      bf16 weight (a [9216, 16128] multiply fusion per call) and the tp=2 step took
+      497 ms against 363 ms with 'post' (BUILD_NOTES, issue 6).
 Per-channel weights ([N] scales) always use 'post'.
 
 Shapes and dtypes:
@@ -40,7 +44,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 _TINY = 1e-12  # keeps the scale of an all-zero tensor finite
 SCALE_MODES = ("dequant", "post")
-SCALE_MODE = os.environ.get("CHARACTERS_FP8_SCALE", "dequant")
+SCALE_MODE = os.environ.get("CHARACTERS_FP8_SCALE", "post")
 
 
 @jax.tree_util.register_dataclass
