@@ -100,27 +100,39 @@ def fits(k: int, n: int, config: Config = Config()) -> bool:
     return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
 
 
-def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None):
+def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None,
+            layer=None, num_sms=None, interpret=False):
     """Launches the Mosaic GPU kernel.
 
     reduce='xla': returns (own partial [Mp, N], received [tp-1, Mp, N] or None).
     reduce='tma_add': returns (the reduced [M, N], None).
+
+    Shared with ``fp8_gemm_stacked`` (tp = 1, reduce='xla'):
+      layer: None, or a [1] int32 array; then ``w`` is a stack [L, N, K] and the kernel
+        reads ``w[layer]`` (clamped to [0, L)) in place: the GMEM ref is indexed with
+        the scalar before the TMA copies, so XLA never materializes the [N, K] slice.
+      With tp = 1, M need not be a multiple of tile_m (it must be one of 8, for the TMA
+        tiling): the last tile's rows past M are zero on load and dropped on store.
+      num_sms: the persistent grid size (default: the device's SM count).
+      interpret: run under the Pallas interpreter (CPU tests).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
     m = m_out or m  # rows of the output ('tma_add': x may carry up to 7 zero rows more)
-    n = w.shape[0]
+    stacked = layer is not None
+    n = w.shape[-2]
     c = config
     cta_n = 2 * c.tile_n
     tma_add = c.reduce == "tma_add"
     if c.reduce not in ("xla", "tma_add"):
         raise ValueError(f"unknown reduce {c.reduce!r}")
-    if (m % c.tile_m and not tma_add) or n % cta_n or k % c.tile_k:
+    if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
-    num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
+    if num_sms is None:
+        num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
     swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
     in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_bytes = jnp.dtype(out_dtype).itemsize
@@ -131,6 +143,10 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
 
     def body(x_ref, w_ref, scale_ref, *refs):
+        if stacked:
+            layer_ref, *refs = refs
+            # Clamped like lax.dynamic_slice; a [N, K] view of the stack: no copy.
+            w_ref = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), w.shape[0] - 1)]
         if has_addend:
             addend_ref, *refs = refs
         out_ref, *recv = refs
@@ -285,7 +301,8 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if tp > 1 and not tma_add:
         out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
-    operands = (x, w, scale_tile) + ((addend,) if has_addend else ())
+    operands = ((x, w, scale_tile) + ((layer,) if stacked else ())
+                + ((addend,) if has_addend else ()))
     outs = plgpu.kernel(
         body,
         out_type=out_types,
@@ -297,6 +314,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         cluster_names=("cluster",),
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(*operands)
     return outs[0], (outs[1] if (tp > 1 and not tma_add) else None)
 

@@ -128,3 +128,14 @@ def test_tensor_roundtrip_and_checks():
     assert np.array_equal(tensor_from_proto(tensor_to_proto(x), (2, 3, 4)), x)
     with pytest.raises(ValueError, match="expected shape"):
         tensor_from_proto(tensor_to_proto(x), (3, 2, 4))
+
+
+def test_ready_expiry_never_touches_a_running_session():
+    """The READY timer fires late: a session that went RUNNING meanwhile is left alone."""
+    table = SessionTable(lambda rec, old, idle: None)
+    rec = table.reserve(seed=0, prompt_tokens=0)
+    assert table.transition(rec, "READY")
+    assert table.transition(rec, "RUNNING")
+    assert not table.transition(rec, "CANCELLED", only_from="READY")
+    assert rec.state == "RUNNING"
+    assert table.transition(rec, "CANCELLED")

@@ -60,10 +60,9 @@ def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
 
 
 def count_params(cfg: Config) -> int:
-    m = cfg.model
-    block = m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim + 2 * m.head_dim + 3 * m.d_model
-    other = (m.latent_channels * 2 + m.audio_feature_dim + m.prompt_vocab + 256 + 6 + 1) * m.d_model + m.d_model * m.d_model
-    return m.num_blocks * block + other
+    """Exact parameter count, from the abstract model (no memory allocated)."""
+    abstract = nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
 
 
 def step_flops(cfg: Config) -> float:
@@ -94,16 +93,16 @@ class Engine:
 
         self.init_params = jax.jit(self._init_params, out_shardings=self.param_shardings)
         self.init_state = jax.jit(lambda: empty_state(self.layout), out_shardings=self.state_shardings)
-        state_io = dict(in_shardings=(self.param_shardings, self.state_shardings), out_shardings=self.state_shardings)
+        params_and_state = (self.param_shardings, self.state_shardings)
         self.prefill = jax.jit(
             self._sharded(self._prefill_local, (P(),) * 4, out_specs=self.state_specs),
-            in_shardings=state_io["in_shardings"] + (self.replicated,) * 4,
+            in_shardings=params_and_state + (self.replicated,) * 4,
             out_shardings=self.state_shardings,
             donate_argnames=("state",),
         )
         self.step = jax.jit(
             self._sharded(self._step_local, (P(),), out_specs=(self.state_specs, P())),
-            in_shardings=state_io["in_shardings"] + (self.replicated,),
+            in_shardings=params_and_state + (self.replicated,),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnames=("state",),
         )

@@ -58,14 +58,18 @@ class LiveSession:
             if self._finished:
                 return
             self._finished = True
-        self.signals.cancel(code, message)
-        if threading.current_thread() is not self._stepper:
-            self._stepper.join(timeout=10)
-        if state != "COMPLETED":
-            self.link.cancel()
-        self.ctx.metrics.refresh_device_stats(self.ctx.generator)
-        self.table.transition(self.rec, state, code, message)
-        self.out.put(("end", state, code, message))
+        try:
+            self.signals.cancel(code, message)
+            if threading.current_thread() is not self._stepper:
+                self._stepper.join(timeout=10)
+            if state != "COMPLETED":
+                self.link.cancel()
+            self.ctx.metrics.refresh_device_stats(self.ctx.generator)
+        except Exception:  # bookkeeping must never keep the session from ending
+            log.exception("error while ending the session", extra=self.fields(state=state))
+        finally:
+            self.table.transition(self.rec, state, code, message)
+            self.out.put(("end", state, code, message))
         log.info("session ended", extra=self.fields(state=state, code=code.name, reason=message, steps=self.rec.steps, frames=self.rec.frames))
 
     @property
@@ -74,7 +78,10 @@ class LiveSession:
 
     # -- reader ----------------------------------------------------------------------------
     def _read(self, request_iterator, context) -> None:
+        """Consumes the requests; a bad one ends the session FAILED (outside the try, so an
+        error while ending is not mistaken for the RPC going away)."""
         m = self.ctx.metrics
+        failure = None
         try:
             for req in request_iterator:
                 kind = req.WhichOneof("event")
@@ -82,19 +89,21 @@ class LiveSession:
                     try:
                         pcm_to_int16(req.audio.pcm)
                     except AudioFormatError as err:
-                        self.finish("FAILED", grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                        return
+                        failure = str(err)
+                        break
                     self.signals.add_audio(req.audio.pcm)
                 elif kind == "playout":
                     m.underruns.inc(self.signals.report_playout(req.playout.frames_played, req.playout.underruns))
                 elif kind == "end_of_audio":
                     self.signals.end_audio()
                 else:
-                    self.finish("FAILED", grpc.StatusCode.INVALID_ARGUMENT, f"unexpected event {kind!r} after start")
-                    return
+                    failure = f"unexpected event {kind!r} after start"
+                    break
         except Exception:  # the RPC went away; the done-callback ends the session
             return
-        if context.is_active():  # half-close: no more audio
+        if failure is not None:
+            self.finish("FAILED", grpc.StatusCode.INVALID_ARGUMENT, failure)
+        elif context.is_active():  # half-close: no more audio
             self.signals.end_audio()
 
     # -- step loop -------------------------------------------------------------------------

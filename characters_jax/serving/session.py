@@ -79,13 +79,12 @@ class SessionTable:
         with self._lock:
             return self._live
 
-    def transition(self, rec: SessionRecord, new: str, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "") -> bool:
-        """Moves rec to `new` if allowed from its current state; returns whether it moved.
-
-        Entering a terminal state frees the slot."""
+    def transition(self, rec: SessionRecord, new: str, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", *, only_from: str | None = None) -> bool:
+        """Moves rec to `new` if allowed from its current state (and, with `only_from`, only
+        from that state); returns whether it moved. Entering a terminal state frees the slot."""
         with self._lock:
             old = rec.state
-            if new not in _NEXT.get(old, ()):
+            if new not in _NEXT.get(old, ()) or (only_from is not None and old != only_from):
                 return False
             rec.state, rec.status_code, rec.status_message = new, code, message
             idle = False

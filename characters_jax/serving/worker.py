@@ -113,7 +113,9 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         return session_proto(rec, cfg)
 
     def _expire_ready(self, rec: SessionRecord) -> None:
-        if self.table.transition(rec, "CANCELLED", grpc.StatusCode.DEADLINE_EXCEEDED, f"no Converse within {self.options.ready_timeout_s:g} s of READY"):
+        # Only a session still READY expires: a RUNNING one belongs to its LiveSession.
+        msg = f"no Converse within {self.options.ready_timeout_s:g} s of READY"
+        if self.table.transition(rec, "CANCELLED", grpc.StatusCode.DEADLINE_EXCEEDED, msg, only_from="READY"):
             log.info("ready session expired", extra={"fields": {"session_id": rec.session_id}})
 
     def _lookup(self, session_id: str, context) -> SessionRecord:
