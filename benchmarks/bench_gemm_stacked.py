@@ -1,0 +1,255 @@
+"""FP8 GEMMs on stacked [L, N, K] weights inside a scan: XLA (slice copy) vs the stacked kernel.
+
+At M = 757 and the characters-57b per-GPU shapes of tp = 2 (L = 60 layers), each variant
+runs inside one jitted ``lax.scan`` over the 60 layers (the traced scan index picks the
+layer, as in the model's step; x goes through an optimization barrier with the index so
+nothing is hoisted; each output goes through a barrier too, so it is materialized whole):
+
+  xla_stacked     (fp8_dot(x, w_stacked[layer]) f32 * scale) -> bf16   ('post' form, the
+                  model's): XLA slices the layer, i.e. copies [N, K] per call
+  kernel          ``stacked_fp8_matmul`` (Pallas, weight read in place; x padded 757 -> 760
+                  rows and the output sliced back, both inside the timed loop)
+  kernel_m760     the same kernel on x with 760 rows, [760, N] out (no pad / slice: the
+                  in-model cost when they fuse into the neighbours)
+  kernel_m64      ``Config(tile_m=64, stages=4)``, API form
+  xla_single      the XLA form on one unstacked weight (no copy): the lower bound
+
+Per layer = scan time / L, median over repeats.  Errors: the full [M, N] output of one
+call at the last layer, and one sampled row per layer from inside the scan (layers 0,
+L/2, L-1), both against an f32 reference (x.f32 @ w[layer].f32.T * scale), relative
+Frobenius norm; memory is filled with NaN first so unwritten elements show.
+
+Run (one H200):  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gemm_stacked.py --out $OUT
+CPU smoke run (tiny shapes, the kernel under the Mosaic GPU interpreter):  --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+T0 = time.time()
+M = 757
+L = 60
+# name: (N, K) per GPU at tp = 2
+SHAPES = {
+    "qkv": (13824, 9216),
+    "out": (9216, 4608),
+    "up": (16128, 9216),
+    "down": (9216, 16128),
+}
+PASSES = 4  # denoising passes per step (default sampler: 5 sigmas)
+VARIANTS = ("xla_stacked", "kernel", "kernel_m760", "kernel_m64", "xla_single")
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from characters_jax.parallel.fp8_linear import fp8_dot
+    from pallas_kernels import fp8_gemm_stacked as st
+
+    FP8 = jnp.float8_e4m3fn
+    layers = args.layers
+    kimpl = "interpret" if args.smoke else "pallas"
+    seed = int(time.time_ns() % 2**31)
+    print(f"jax {jax.__version__} devices {jax.devices()} seed {seed} layers {layers} "
+          f"kernel impl {kimpl}")
+    res = {"meta": {"m": M, "layers": layers, "seed": seed, "jax": jax.__version__,
+                    "device": str(jax.devices()[0]), "smoke": args.smoke}}
+    deadline = T0 + args.budget_s
+
+    def save():
+        with open(os.path.join(args.out, "gemm_stacked.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+    def poison():
+        jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+
+    def rel_err(out, ref):
+        out = np.asarray(jax.device_get(out), np.float64)
+        ref = np.asarray(jax.device_get(ref), np.float64)
+        if not np.isfinite(out).all():
+            return float("nan")
+        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+    @jax.jit
+    def reference(x8, w, scale):
+        return (jnp.matmul(x8.astype(jnp.float32), w.astype(jnp.float32).T,
+                           precision=lax.Precision.HIGHEST) * scale)
+
+    def make_weights(key, n, k):
+        """[layers, N, K] e4m3 from N(0, 16^2), one layer at a time (bounded temporaries)."""
+        gen = lambda kk: (jax.random.normal(kk, (n, k), jnp.float32) * 16).astype(FP8)
+        return jax.jit(lambda ks: lax.map(gen, ks))(jax.random.split(key, layers))
+
+    def post(x8, w, scale):
+        return (fp8_dot(x8, w, jnp.float32) * scale).astype(jnp.bfloat16)
+
+    key = jax.random.key(seed)
+    scale = jnp.float32(1 / 16) * jnp.float32(1 / 32)  # x scale * w scale
+    data = {}
+
+    def shape_data(name):
+        """Operands, references and ops of one shape (kept for the second pass)."""
+        nonlocal key
+        if name in data:
+            return data[name]
+        n, k = SHAPES[name]
+        key, kx, kw = jax.random.split(key, 3)
+        x8 = (jax.random.normal(kx, (M, k), jnp.float32) * 16).astype(FP8)
+        x760 = jnp.pad(x8, ((0, 760 - M), (0, 0)))
+        w = make_weights(kw, n, k)
+        w_last = w[layers - 1]  # a buffer of its own (copied once, outside the timing)
+        jax.block_until_ready((x8, w, w_last))
+        check_layers = sorted({0, layers // 2, layers - 1})
+        refs = {l: reference(x8, w[l], scale) for l in check_layers}
+        res[name] = {"n": n, "k": k, "flop_per_call": 2 * M * n * k,
+                     "weight_mb_per_layer": n * k / 1e6}
+        # variant: (fn(x, w_stacked, w_single, layer) -> [>= M, N] bf16, x, fixed layer)
+        ops = {
+            "xla_stacked": (lambda x, ws, w1, l: post(x, ws[l], scale), x8, None),
+            "kernel": (lambda x, ws, w1, l: st.stacked_fp8_matmul(x, ws, l, scale, impl=kimpl),
+                       x8, None),
+            "kernel_m760": (lambda x, ws, w1, l: st.stacked_fp8_matmul(x, ws, l, scale,
+                                                                       impl=kimpl), x760, None),
+            "kernel_m64": (lambda x, ws, w1, l: st.stacked_fp8_matmul(
+                x, ws, l, scale, impl=kimpl, config=st.Config(tile_m=64, stages=4)), x8, None),
+            "xla_single": (lambda x, ws, w1, l: post(x, w1, scale), x8, layers - 1),
+        }
+        data[name] = (x8, w, w_last, check_layers, refs, ops)
+        return data[name]
+
+    def measure(name, vname):
+        x8, w, w_last, check_layers, refs, ops = shape_data(name)
+        op, xin, fixed_layer = ops[vname]
+        flop = res[name]["flop_per_call"]
+
+        def scanned(x, ws, w1):
+            def body(carry, layer):
+                xb, _ = lax.optimization_barrier((x, layer))
+                y = lax.optimization_barrier(op(xb, ws, w1, layer))
+                row = lax.rem(layer * 97, M)
+                return carry, lax.dynamic_index_in_dim(y, row, 0, keepdims=False)
+            return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+        f = jax.jit(scanned)
+        t_c = time.time()
+        jax.block_until_ready(f(xin, w, w_last))
+        compile_s = time.time() - t_c
+        ts = []
+        for _ in range(args.repeats):
+            t1 = time.perf_counter()
+            jax.block_until_ready(f(xin, w, w_last))
+            ts.append((time.perf_counter() - t1) * 1e6 / layers)
+        us = statistics.median(ts)
+        poison()
+        rows = f(xin, w, w_last)
+        row_errs = []
+        for l in check_layers:
+            lref = fixed_layer if fixed_layer is not None else l
+            ref_l = refs[lref] if lref in refs else reference(x8, w[lref], scale)
+            row_errs.append(rel_err(rows[l], ref_l[(l * 97) % M]))
+        poison()
+        full = jax.jit(op)(xin, w, w_last, jnp.int32(layers - 1))
+        full_err = rel_err(full[:M], refs[layers - 1])
+        res[name][vname] = {"us": us, "all_us": ts, "tflops": flop / us / 1e6,
+                            "full_rel_err": full_err, "scan_rows_rel_err": max(row_errs),
+                            "compile_s": compile_s}
+        print(f"{name:5s} {vname:12s} {us:9.1f} us/layer  {flop / us / 1e6:7.1f} TFLOP/s"
+              f"  err full {full_err:.2e} rows {max(row_errs):.2e}  (compile {compile_s:.1f} s)")
+
+    # The comparison that matters first (every shape), then the kernel's variants.
+    passes = [("xla_stacked", "kernel", "xla_single"), ("kernel_m760", "kernel_m64")]
+    for variants in passes:
+        for name in SHAPES:
+            for vname in variants:
+                if vname not in args.variants:
+                    continue
+                if time.time() > deadline:
+                    res.setdefault(name, {})[vname] = {"error": "skipped: out of time"}
+                    print(f"{name:5s} {vname:12s} skipped (deadline)")
+                    continue
+                try:
+                    measure(name, vname)
+                except Exception as e:  # noqa: BLE001
+                    res.setdefault(name, {})[vname] = {
+                        "error": (type(e).__name__ + ": " + str(e))[:800]}
+                    print(f"{name:5s} {vname:12s} FAILED {res[name][vname]['error'][:300]}")
+                    traceback.print_exc(limit=3)
+                save()
+    return res
+
+
+def table(res):
+    lines = ["shape (N x K) | " + " | ".join(VARIANTS) + " | copy (a - c) | saved (a - kernel)"
+             + " | max err", "(us per layer, M = 757)"]
+    for name in SHAPES:
+        r = res.get(name, {})
+        us = {v: (r.get(v) or {}).get("us") for v in VARIANTS}
+        f = lambda v: "-" if v is None else f"{v:.1f}"
+        d = lambda a, b: None if a is None or b is None else a - b
+        errs = [r[v][e] for v in VARIANTS if isinstance(r.get(v), dict)
+                for e in ("full_rel_err", "scan_rows_rel_err") if e in r[v]]
+        lines.append(f"{name} ({r.get('n', '?')} x {r.get('k', '?')}) | "
+                     + " | ".join(f(us[v]) for v in VARIANTS)
+                     + f" | {f(d(us['xla_stacked'], us['xla_single']))}"
+                     + f" | {f(d(us['xla_stacked'], us['kernel']))}"
+                     + (f" | {max(errs):.2e}" if errs else " | -"))
+    per_block = {v: sum((res.get(s, {}).get(v) or {}).get("us") or float("nan") for s in SHAPES)
+                 for v in VARIANTS}
+    lines.append("per block (4 GEMMs) | " + " | ".join(f"{per_block[v]:.1f}" for v in VARIANTS)
+                 + f"  -> x {L} blocks x {PASSES} passes = ms per step: "
+                 + ", ".join(f"{v} {per_block[v] * L * PASSES / 1000:.1f}" for v in VARIANTS))
+    fails = {f"{s}/{v}": res[s][v]["error"][:100] for s in SHAPES for v in VARIANTS
+             if isinstance(res.get(s, {}).get(v), dict) and "error" in res[s][v]}
+    lines.append(f"failures: {fails if fails else 'none'}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=L)
+    ap.add_argument("--budget-s", type=float, default=105.0,
+                    help="skip the remaining variants after this many seconds")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--only", nargs="*", help="shapes to run (default: all)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: N = K = 256, 3 layers, the kernel under the interpreter")
+    args = ap.parse_args()
+    if args.smoke:
+        for s in SHAPES:
+            SHAPES[s] = (256, 256)
+        args.layers = min(args.layers, 3)
+        args.repeats = min(args.repeats, 2)
+    if args.only:
+        for s in list(SHAPES):
+            if s not in args.only:
+                del SHAPES[s]
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        res = run(args)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        res = {"error": repr(e)[:800]}
+    res["table"] = table(res)
+    with open(os.path.join(args.out, "gemm_stacked.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n==== stacked FP8 GEMM ({time.time() - T0:.0f} s) ====")
+    print(res["table"])
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""FP8 GEMM on one layer of a stacked weight, read in place (Pallas Mosaic GPU), reference.
+
+The generator runs its blocks under ``lax.scan`` with the FP8 weights stacked as
+[L, N, K] float8_e4m3fn (K-major).  ``fp8_dot(x, w_stacked[layer])`` makes XLA slice
+the layer out first, and since cuBLASLt (and any custom call) wants its operands as
+buffers of their own, that slice is a device copy of the whole [N, K] weight per block
+and pass (issue 6: 467 MB per block per GPU, ~90-130 ms of MemcpyD2D per step).
+
+Here the stack itself is the kernel's operand.  The layer index enters the kernel as a
+[1] int32 array; the kernel reads it (clamped to [0, L), as ``lax.dynamic_slice``
+does) and indexes the GMEM ref with it, ``w_ref.at[layer]``, before the TMA copies: the
+TMA descriptor spans the whole stack and the layer becomes a coordinate of each copy.
+Nothing of the weight is sliced or copied by XLA.
+
+The kernel is the tp = 1 path of ``fp8_gemm_allreduce`` (the same ``_kernel``): a
+persistent grid (one block per SM), two compute warpgroups side by side along N and one
+TMA warpgroup, FP8 wgmma with the (N, K) weight tile transposed in shared memory, the
+scale applied to the f32 accumulator in the epilogue, 64x64 sub-tiles stored by TMA.
+
+M: the TMA tiling of the FP8 operand needs the row count to be a multiple of 8
+(Mosaic GPU tiles the whole GMEM array in (8, 128) tiles and refuses 757 rows).  Rows
+are padded to the next multiple of 8 (757 -> 760; in the model the pad fuses into the
+fusion that quantizes x), and the last M tile's rows past that are handled by TMA
+bounds (zero on load, dropped on store), not by padding to the tile (768).  The output
+is [M, N]: the kernel writes 760 rows and ``[:M]`` fuses into the consumer.
+
+Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
+scale [] float32 (x scale * w scale).  K % tile_k == 0 and N % (2 * tile_n) == 0
+(128 and 256 by default: every characters-57b projection fits).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import fp8_gemm_allreduce as _fa
+
+FP8 = jnp.float8_e4m3fn
+Config = _fa.Config
+DEFAULT_CONFIG = Config()  # tile 128 x (2 x 128) x 128, 3 stages: the measured tp=1 path
+IMPLS = ("auto", "pallas", "reference", "interpret")
+INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps tests fast)
+
+
+def is_supported() -> bool:
+    """The kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
+    return _fa.is_supported()
+
+
+def fits(n: int, k: int, config: Config = DEFAULT_CONFIG) -> bool:
+    """Whether a [*, K] x [N, K] product tiles with ``config`` (any M)."""
+    return _fa.fits(k, n, config)
+
+
+def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16):
+    """Plain jnp: (x @ w_stacked[layer].T) * scale in float32, then out_dtype.
+
+    The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
+    """
+    w = lax.dynamic_index_in_dim(w_stacked, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+    y = jnp.matmul(x_fp8.astype(jnp.float32), w.astype(jnp.float32).T,
+                   precision=lax.Precision.HIGHEST)
+    return (y * jnp.asarray(scale, jnp.float32)).astype(out_dtype)
+
+
+def _check(x_fp8, w_stacked, layer, scale):
+    if x_fp8.ndim != 2 or w_stacked.ndim != 3:
+        raise ValueError(f"want x [M, K] and w_stacked [L, N, K], got {x_fp8.shape} and "
+                         f"{w_stacked.shape}")
+    if x_fp8.shape[1] != w_stacked.shape[2]:
+        raise ValueError(f"K mismatch: x {x_fp8.shape} vs w_stacked {w_stacked.shape}")
+    if jnp.ndim(layer) != 0 or jnp.ndim(scale) != 0:
+        raise ValueError("layer and scale must be scalars")
+
+
+def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool):
+    if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
+        raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
+                         f"{w_stacked.dtype}")
+    if config.reduce != "xla":
+        raise ValueError("the stacked GEMM stores its tiles (Config.reduce='xla')")
+    m, k = x_fp8.shape
+    _, n, _ = w_stacked.shape
+    if not fits(n, k, config):
+        raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
+    m8 = -(-m // 8) * 8
+    x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
+    layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
+    out, _ = _fa._kernel(
+        x, w_stacked, scale_tile, None, axis_name=None, tp=1, out_dtype=out_dtype,
+        config=config, layer=layer_arr,
+        num_sms=INTERPRET_NUM_SMS if interpret else None, interpret=interpret)
+    return out if m8 == m else out[:m]
+
+
+def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16,
+                       impl="auto", config: Config | None = None) -> jax.Array:
+    """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
+    w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
+    may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
+    scale: [] float32 (x_scale * w_scale, applied in the epilogue).
+    Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale.
+    impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
+    'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
+    config: the kernel's tiling (default ``DEFAULT_CONFIG``)."""
+    _check(x_fp8, w_stacked, layer, scale)
+    config = config or DEFAULT_CONFIG
+    if impl == "auto":
+        n, k = w_stacked.shape[1:]
+        ok = (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config)
+              and is_supported())
+        impl = "pallas" if ok else "reference"
+    if impl == "reference":
+        return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype)
+    if impl in ("pallas", "interpret"):
+        return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
+                       interpret=impl == "interpret")
+    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
