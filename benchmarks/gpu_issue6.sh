@@ -4,6 +4,7 @@
 #        launch       launch cache,  cuDNN attention,      psum
 #        ring_cudnn   ring cache,    cuDNN attention,      psum
 #        ring_fp8     ring cache,    FP8 Pallas attention, psum
+#        ring_stacked ring cache,    FP8 Pallas attention, psum, projections read in place (--gemm stacked)
 #        ring_fused   ring cache,    FP8 Pallas attention, fused Pallas GEMM + all-reduce
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
@@ -27,7 +28,7 @@ STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
 DEADLINE_S=${DEADLINE_S:-530}
-VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_fused"}
+VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_stacked ring_fused"}
 CONFIG=${CONFIG:-characters-57b}
 BLOCK_ARGS=${BLOCK_ARGS:-}
 ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
@@ -74,6 +75,7 @@ for v in $VARIANTS; do
     ring_cudnn) opts=(--mode ring --attention "$ATTN_CUDNN" --reduce psum) ;;
     ring_fp8)   opts=(--mode ring --attention "$ATTN_FP8" --reduce psum) ;;
     ring_fused) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED") ;;
+    ring_stacked) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp 2 "${opts[@]}" \

@@ -36,10 +36,17 @@ from pallas_kernels.fp8_attention import attention
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """attention: impl passed to `pallas_kernels.fp8_attention.attention`;
-    reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto')."""
+    reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto');
+    gemm: 'xla' (blocks' weights sliced per layer by the scan) | 'stacked' (projection
+    weights read in place from the layer stack: `scan_blocks(in_place=True)`)."""
 
     attention: str = "auto"
     reduce: str = "auto"
+    gemm: str = "xla"
+
+    def __post_init__(self):
+        if self.gemm not in ("xla", "stacked"):
+            raise ValueError(f"gemm must be 'xla' or 'stacked', got {self.gemm!r}")
 
 
 def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
@@ -161,13 +168,14 @@ class Engine:
                     o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention)
                 return o, c
 
-            return block(x, shared_mod, attend, reduce)
+            return block(x, shared_mod, attend, reduce, layer=layer)
 
         return block_fn
 
     def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
         temb = model.time_embedding(sigma)
-        h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn)
+        in_place = self.options.gemm == "stacked"
+        h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn, in_place=in_place)
         return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
 
     # ---- programs (per shard) --------------------------------------------------------------

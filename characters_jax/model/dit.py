@@ -68,14 +68,24 @@ class Linear(nnx.Module):
             self.w = nnx.Param((std * jax.random.normal(key, shape, jnp.float32)).astype(_dtype(dtype)), logical_axes=axes)
             self.w_scale = None
 
-    def weight(self):
-        """The weight as `linear` takes it: an Fp8Weight or a plain [N, K] array."""
-        if self.w_scale is None:
-            return self.w[...]
-        return Fp8Weight(values=self.w[...], scale=self.w_scale[...])
+    def weight(self, layer: jax.Array | None = None):
+        """The weight as `linear` takes it: an Fp8Weight or a plain [N, K] array.
 
-    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
-        return linear(x, self.weight(), out_dtype=out_dtype or x.dtype)
+        When this Linear holds the whole layer stack ([L, N, K], see `scan_blocks(...,
+        in_place=True)`), `layer` selects the block: FP8 weights are then read in place by
+        the stacked GEMM, float weights are sliced.
+        """
+        w = self.w[...]
+        if w.ndim == 3:
+            if self.w_scale is None:
+                return jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+            return Fp8Weight(values=w, scale=self.w_scale[...], layer=layer)
+        if self.w_scale is None:
+            return w
+        return Fp8Weight(values=w, scale=self.w_scale[...])
+
+    def __call__(self, x: jax.Array, out_dtype=None, layer: jax.Array | None = None) -> jax.Array:
+        return linear(x, self.weight(layer), out_dtype=out_dtype or x.dtype)
 
 
 class Block(nnx.Module):
@@ -98,20 +108,21 @@ class Block(nnx.Module):
         offset = 0.1 * jax.random.normal(rngs.params(), (3, d), jnp.float32)
         self.modulation = nnx.Param(offset.at[2].add(1.0), logical_axes=(None, "embed"))
 
-    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn):
-        """x: [T, d] (replicated); shared_mod: [3, d] float32. Returns (x', aux from attend)."""
+    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn, layer: jax.Array | None = None):
+        """x: [T, d] (replicated); shared_mod: [3, d] float32; layer: [] int32, used when the
+        projections hold the whole layer stack. Returns (x', aux from attend)."""
         t = x.shape[0]
         mod = shared_mod + self.modulation[...]
         h = (rms_norm(x, self.eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(x.dtype)
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv(h).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+            qkv = self.qkv(h, layer=layer).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
         q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
         k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
         v = qkv[:, :, 2]
         o, aux = attend(q, k, v)
         with jax.named_scope("mlp_up"):
-            hidden = jax.nn.gelu(self.up(h), approximate=True)
-        y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight()), (hidden, self.down.weight())])
+            hidden = jax.nn.gelu(self.up(h, layer=layer), approximate=True)
+        y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight(layer)), (hidden, self.down.weight(layer))])
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
 
 
@@ -170,19 +181,34 @@ class DiT(nnx.Module):
         return self.proj_out(h).astype(jnp.float32)
 
 
-def scan_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, carry, block_fn):
+PROJECTIONS = ("qkv", "out", "up", "down")
+
+
+def _is_projection_weight(path, _value) -> bool:
+    return len(path) >= 2 and path[-2] in PROJECTIONS and path[-1] in ("w", "w_scale")
+
+
+def scan_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, carry, block_fn, in_place: bool = False):
     """Runs the stacked blocks under lax.scan.
 
     block_fn(block, layer, x, shared_mod, carry) -> (x, carry) is the engine's per-block body
     (it builds the attend closure over `carry`, e.g. the KV cache, for that layer).
+
+    in_place: the four projection weights are not scanned over (the scan would slice, and
+    XLA copy, each block's weights out of the stack); they enter every iteration whole
+    and the block reads its own through `layer` (FP8: `pallas_kernels.fp8_gemm_stacked`).
     """
-    graphdef, state = nnx.split(blocks)
+    if in_place:
+        graphdef, invariant, state = nnx.split(blocks, _is_projection_weight, ...)
+    else:
+        graphdef, state = nnx.split(blocks)
+        invariant = None
     num_blocks = jax.tree.leaves(state)[0].shape[0]
 
     def body(c, xs):
         x, carry = c
         layer, block_state = xs
-        block = nnx.merge(graphdef, block_state)
+        block = nnx.merge(graphdef, invariant, block_state) if in_place else nnx.merge(graphdef, block_state)
         x, carry = block_fn(block, layer, x, shared_mod, carry)
         return (x, carry), None
 

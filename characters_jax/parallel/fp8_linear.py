@@ -53,23 +53,42 @@ class Fp8Weight:
     """An FP8 weight [N, K] (N output features, K-major) and its dequant scale.
 
     ``values.astype(f32) * scale[..., None]`` approximates the float weight.
+
+    Stacked form (``layer`` set): ``values`` is a stack [L, N, K] over the blocks and
+    ``scale`` [L]; the weight is block ``layer`` (a traced int32 scalar, e.g. the layer
+    scan's index), read in place by ``pallas_kernels.fp8_gemm_stacked`` instead of being
+    sliced out (XLA copies such a slice for every GEMM).
     """
 
-    values: jax.Array  # [N, K] float8_e4m3fn
-    scale: jax.Array  # [] or [N] float32
+    values: jax.Array  # [N, K] (or [L, N, K]) float8_e4m3fn
+    scale: jax.Array  # [] or [N] (or [L]) float32
+    layer: jax.Array | None = None  # [] int32 in the stacked form
+
+    @property
+    def stacked(self) -> bool:
+        return self.layer is not None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        """[N, K] of the (selected) weight."""
+        return self.values.shape[-2:]
 
     @property
     def per_channel(self) -> bool:
-        return self.scale.ndim == 1
+        return self.scale.ndim == (2 if self.stacked else 1)
+
+    def at_layer(self) -> "Fp8Weight":
+        """The selected block's weight as a plain [N, K] Fp8Weight (an XLA slice)."""
+        if not self.stacked:
+            return self
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)  # noqa: E731
+        return Fp8Weight(values=take(self.values), scale=take(self.scale))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight [N, K] this FP8 weight stands for."""
-        scale = self.scale[:, None] if self.per_channel else self.scale
-        return (self.values.astype(jnp.float32) * scale).astype(dtype)
+        w = self.at_layer()
+        scale = w.scale[:, None] if w.per_channel else w.scale
+        return (w.values.astype(jnp.float32) * scale).astype(dtype)
 
 
 def _scale_from_amax(amax: jax.Array) -> jax.Array:
@@ -170,6 +189,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
             preferred_element_type=jnp.float32,
         )
         return y.astype(out_dtype)
+    if w.stacked:
+        return _stacked_linear(x, w, out_dtype)
     mode = scale_mode or SCALE_MODE
     if mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {mode!r}; expected one of {SCALE_MODES}")
@@ -179,6 +200,19 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
     x_fp8, x_scale = quantize_activation(x)
     y = fp8_dot(x_fp8, w.values, accumulate_dtype or jnp.float32)
     return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)
+
+
+def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
+    """x [..., K] @ (block `w.layer` of the stack).T, the weight read in place."""
+    from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
+
+    if w.per_channel:
+        raise ValueError("the stacked FP8 GEMM takes per-tensor scales")
+    x_fp8, x_scale = quantize_activation(x)
+    w_scale = jax.lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
+    gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
+    y = stacked_fp8_matmul(x_fp8.reshape(-1, x.shape[-1]), w.values, w.layer, x_scale * w_scale, out_dtype=gemm_dtype)
+    return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
 
 
 def flops(m: int, k: int, n: int) -> int:

@@ -67,7 +67,7 @@ def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
         return "psum"
     # The fused pair is the one with the largest K (see _pallas_matmul_reduce).
     x, w = max(pairs, key=lambda p: p[0].shape[1])
-    if not all(isinstance(pw, Fp8Weight) and not pw.per_channel for _, pw in pairs):
+    if not all(isinstance(pw, Fp8Weight) and not pw.per_channel and not pw.stacked for _, pw in pairs):
         return "psum"
     if fp8_gemm_allreduce.fits(x.shape[1], w.shape[0]):
         return "pallas"
@@ -214,6 +214,8 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     method = resolve_method(method, jax.default_backend(), pairs)
     if method == "psum":
         return _psum_matmul_reduce(pairs, axis_name, out_dtype)
+    # The ring and the fused kernel take one [N, K] weight: slice stacked weights out.
+    pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
     if method == "ppermute":
         return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
     return _pallas_matmul_reduce(pairs, axis_name, out_dtype)
