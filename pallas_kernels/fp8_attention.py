@@ -217,6 +217,13 @@ def _transpose_v_block(raw_ref, vt_ref):
 def _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv, q_split=True):
     """Wrapper-side work when the kernel reads V as stored: FP8 Q parts [P, Tq, H, D]
     (unpadded), scales [H, 2, Tq'] and the slot bias [S'] (as :func:`_prepare_inputs`)."""
+    return _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q=False)
+
+
+def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q):
+    """FP8 Q parts [P, Tq, H, D] (or [P, Tq', H, D], Tq' = Tq rounded up to 128, with pad_q), scales
+    [H, 2, Tq'] f32 (row 0: logit factor in the log2 domain, row 1: output factor) and the
+    slot bias [S'] f32 (S' = S rounded up to block_kv)."""
     tq, h, d = q.shape
     s_len = valid.shape[0]
     tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
@@ -226,8 +233,12 @@ def _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv, q_split=Tr
     q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
     qs = qf / q_rs[..., None]
     q_hi = qs.astype(F8)
+    # The barrier keeps XLA from folding f32 -> e4m3 -> f32 into a no-op (GPU XLA allows
+    # excess precision), which silently made lo == 0 in the first GPU run.
     hi_f32 = lax.optimization_barrier(q_hi).astype(jnp.float32)
     q8 = jnp.stack([q_hi, (qs - hi_f32).astype(F8)]) if q_split else q_hi[None]
+    if pad_q:
+        q8 = jnp.pad(q8, ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
     logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
     any_valid = jnp.any(valid).astype(jnp.float32)
     out_sc = jnp.broadcast_to((v_scale.astype(jnp.float32) * any_valid)[None, :], (tq, h))
@@ -244,29 +255,10 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     [H, 2, Tq'] f32 (row 0: logit factor in the log2 domain, row 1: output factor),
     bias [S'] f32 (S' = S rounded up to block_kv) and vt [H, D, S'] e4m3.
     """
-    tq, h, d = q.shape
+    q8, scales, bias = _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q=True)
+    _, h, d = q.shape
     s_len = v.shape[0]
-    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
-    s_pad = -(-s_len // block_kv) * block_kv
-    qf = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(qf), axis=-1)  # [Tq, H]
-    q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
-    qs = qf / q_rs[..., None]
-    q_hi = qs.astype(F8)
-    # The barrier keeps XLA from folding f32 -> e4m3 -> f32 into a no-op (GPU XLA allows
-    # excess precision), which silently made lo == 0 in the first GPU run.
-    hi_f32 = lax.optimization_barrier(q_hi).astype(jnp.float32)
-    parts = [q_hi, (qs - hi_f32).astype(F8)] if q_split else [q_hi]
-    q8 = jnp.pad(jnp.stack(parts), ((0, 0), (0, tq_pad - tq), (0, 0), (0, 0)))
-    logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
-    any_valid = jnp.any(valid).astype(jnp.float32)
-    out_sc = jnp.broadcast_to((v_scale.astype(jnp.float32) * any_valid)[None, :], (tq, h))
-    scales = jnp.stack([logit.T, out_sc.T], axis=1)  # [H, 2, Tq]
-    scales = jnp.pad(scales, ((0, 0), (0, 0), (0, tq_pad - tq)))
-
-    valid_p = jnp.pad(valid, (0, s_pad - s_len))
-    bias = jnp.where(valid_p, 0.0, _MASK_BIAS).astype(jnp.float32)
-
+    s_pad = bias.shape[0]
     # V^T in two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose),
     # then the key permutation inside each 16-key group (g, h2, t, v2) -> (g, t, h2, v2).
     # As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
