@@ -38,11 +38,14 @@ class EngineOptions:
     """attention: impl passed to `pallas_kernels.fp8_attention.attention`;
     reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto');
     gemm: 'xla' (blocks' weights sliced per layer by the scan) | 'stacked' (projection
-    weights read in place from the layer stack: `scan_blocks(in_place=True)`)."""
+    weights read in place from the layer stack: `scan_blocks(in_place=True)`);
+    noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
+    (random sign per element) - a run-to-run perturbation for the numerics harness."""
 
     attention: str = "auto"
     reduce: str = "auto"
     gemm: str = "xla"
+    noise_ulp_seed: int | None = None
 
     def __post_init__(self):
         if self.gemm not in ("xla", "stacked"):
@@ -78,6 +81,13 @@ def step_flops(cfg: Config) -> float:
     gemm = 2 * t * (m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim)
     attn = 4 * t * cfg.cache_slots * m.num_heads * m.head_dim
     return float(cfg.sampler.num_passes * m.num_blocks * (gemm + attn))
+
+
+def nudge_ulp(x: jax.Array, key) -> jax.Array:
+    """Moves each nonzero float32 element one ulp up or down in magnitude (random sign)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    step = jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 1, -1).astype(jnp.int32)
+    return jnp.where(x != 0, jax.lax.bitcast_convert_type(bits + step, jnp.float32), x)
 
 
 class Engine:
@@ -239,6 +249,8 @@ class Engine:
         pos, offset, valid, slot_positions = self._begin_frame(state)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
+        if self.options.noise_ulp_seed is not None:
+            x = nudge_ulp(x, jax.random.fold_in(jax.random.key(self.options.noise_ulp_seed), state.step))
         block_fn = self._block_fn(pos, offset, valid, slot_positions)
         cache = state.cache
         sigmas = cfg.sampler.sigmas

@@ -167,16 +167,17 @@ def run_reference(setup: Setup) -> Reference:
     plan = R.reference_plan(st.runs, st.tp, setup.config.model.num_heads, len(jax.devices()), repeat)
     if len(plan) < 2:
         raise ValueError("the reference needs --runs >= 2 (a base run and at least one perturbed run)")
-    engines = {st.tp: (setup.engine, setup.params)}
+    engines = {(st.tp, None): (setup.engine, setup.params)}
     base = base_frames = None
     perturbed = []
     for rr in plan:
         setup.log(f"{rr.label}")
-        if rr.tp not in engines:
+        key = (rr.tp, rr.ulp_seed or None)  # ulp runs also nudge the in-step noise
+        if key not in engines:
             with setup.timer("compile+run reference"):
-                e = R.make_engine(setup.config, rr.tp, R.REFERENCE)
-                engines[rr.tp] = (e, R.place_params(e, setup.params, setup.engine))
-        engine, params = engines[rr.tp]
+                e = R.make_engine(setup.config, rr.tp, R.REFERENCE, noise_ulp_seed=key[1])
+                engines[key] = (e, R.place_params(e, setup.params, setup.engine))
+        engine, params = engines[key]
         inputs = R.perturb(setup.inputs, setup.config, rr.ulp_seed) if rr.ulp_seed else setup.inputs
         with setup.timer("compile+run reference"):
             lat = R.run_session(engine, params, inputs, _sync(setup))
@@ -193,7 +194,7 @@ def run_reference(setup: Setup) -> Reference:
 
 
 def _ref_note(rr: R.RefRun) -> str:
-    return {"tp": "other reduction order", "ulp": "inputs nudged 1 ulp", "repeat": "identical rerun"}.get(rr.kind, "")
+    return {"tp": "other reduction order", "ulp": "inputs and noise nudged 1 ulp", "repeat": "identical rerun"}.get(rr.kind, "")
 
 
 def run_variant(setup: Setup, name: str, base_frames=None) -> Trajectory:

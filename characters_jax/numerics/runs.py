@@ -120,7 +120,8 @@ def nudge_ulp(x: np.ndarray, dtype, seed: int) -> np.ndarray:
 
 
 def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
-    """The same inputs with the image latent and the audio features nudged by one ulp."""
+    """The same inputs with the image latent and the audio features nudged by one ulp (the
+    in-step noise is nudged by the engine: `make_engine(..., noise_ulp_seed=seed)`)."""
     dt = act_dtype(cfg)
     return dataclasses.replace(
         inputs,
@@ -142,11 +143,12 @@ def variant_config(ref_cfg: Config, v: Variant) -> Config:
     return ref_cfg.replace(model=model, cache={"mode": v.cache_mode, "dtype": v.cache_dtype or ref_cfg.cache.dtype})
 
 
-def make_engine(cfg: Config, tp: int, v: Variant):
+def make_engine(cfg: Config, tp: int, v: Variant, noise_ulp_seed: int | None = None):
     from characters_jax.engine.step import Engine, EngineOptions
     from characters_jax.parallel.sharding import make_mesh
 
-    return Engine(cfg, make_mesh(tp), EngineOptions(attention=v.attention, reduce=v.reduce))
+    options = EngineOptions(attention=v.attention, reduce=v.reduce, noise_ulp_seed=noise_ulp_seed)
+    return Engine(cfg, make_mesh(tp), options)
 
 
 def _block_weight_key(key: str) -> bool:
