@@ -58,7 +58,7 @@ guarded() {
 
 # The bench sub-command without going through the CLI's other command modules.
 BENCH=(python3 -c 'import argparse, sys
-from characters_jax.engine import bench
+from characters_jax.measure import bench
 p = argparse.ArgumentParser(prog="characters-jax")
 bench.register(p.add_subparsers())
 a = p.parse_args(["bench"] + sys.argv[1:])

@@ -10,7 +10,7 @@ import pytest
 
 from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import load_config
-from characters_jax.engine.bench import reset_steps
+from characters_jax.measure.bench import reset_steps
 from characters_jax.engine.generator import DiTGenerator
 from characters_jax.engine.step import EngineOptions
 

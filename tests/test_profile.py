@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from characters_jax.engine import bench
-from characters_jax.engine.profile import COMPONENTS, DeviceEvent, HloIndex, compute_breakdown, format_breakdown
+from characters_jax.measure import bench
+from characters_jax.measure.profile import COMPONENTS, DeviceEvent, HloIndex, compute_breakdown, format_breakdown
 
 
 @pytest.fixture(scope="module")

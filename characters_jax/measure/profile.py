@@ -25,7 +25,7 @@ minus busy. All in ms per step, averaged over the devices of the mesh. Component
 up to the kernel time.
 
 Offline re-analysis of a saved trace:
-    python -m characters_jax.engine.profile TRACE_DIR [--steps N]
+    python -m characters_jax.measure.profile TRACE_DIR [--steps N]
 (`profile_steps` writes the step's HLO text next to the trace as `step_hlo.txt`.)
 """
 

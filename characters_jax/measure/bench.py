@@ -170,8 +170,8 @@ def run_bench(args) -> dict:
 
 def _profile(args, step_exe, gen, audio, log) -> dict:
     """Traces `--profile-steps` steps into `--profile DIR` and returns their component breakdown
-    (see `characters_jax.engine.profile`); on failure, {"error": ...} so that the timing stands."""
-    from characters_jax.engine.profile import profile_steps
+    (see `characters_jax.measure.profile`); on failure, {"error": ...} so that the timing stands."""
+    from characters_jax.measure.profile import profile_steps
 
     try:
         state, breakdown = profile_steps(step_exe, gen.params, gen.state, audio, steps=max(1, args.profile_steps), logdir=args.profile)
@@ -202,7 +202,7 @@ def format_table(r: dict) -> str:
     table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     b = r.get("breakdown")
     if b:
-        from characters_jax.engine.profile import format_breakdown
+        from characters_jax.measure.profile import format_breakdown
 
         table += "\n\nprofile breakdown (device time per step)\n"
         table += f"error: {b['error']}" if "error" in b else format_breakdown(b)
