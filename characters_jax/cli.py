@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "characters_jax.engine.bench",  # bench
+    "characters_jax.measure.bench",  # bench
     "characters_jax.checkpoint",  # init-checkpoint
     "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
     "characters_jax.numerics",  # numerics
