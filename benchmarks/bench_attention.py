@@ -19,6 +19,7 @@ Run (GPU machine):
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import statistics
@@ -116,6 +117,7 @@ def main():
     heads = [int(x) for x in args.heads.split(",")]
     print("devices:", jax.devices(), "jax", jax.__version__, flush=True)
     results = []
+    os.makedirs(args.out, exist_ok=True)
     log = open(args.log or f"{args.out}/attention_bench_log{args.tag}.txt", "w")
 
     def record(**r):
