@@ -32,7 +32,7 @@ import sys
 import time
 import traceback
 
-os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLS stays off on the lent machines
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 T0 = time.time()  # the --budget-s clock starts at import

@@ -26,8 +26,8 @@ block of every peer has signalled.  Two ways to sum the partials (``Config.reduc
             is bf16(bf16(p0) + bf16(p1)) on both devices (addition commutes); for
             tp >= 3 the order of the adds varies, so devices may differ in the last bit.
 
-No multicast or multimem instruction is used; the exchange is point-to-point,
-so any number of devices works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
+The exchange is point-to-point remote stores only (no NVLS), so any number of devices
+works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
 elements: the same as a ring all-reduce for tp = 2, more for larger tp.
 
 Shapes and dtypes (per device):

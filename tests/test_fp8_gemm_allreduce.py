@@ -51,8 +51,8 @@ def test_fallback_matches_reference(tp):
 
 @pytest.mark.parametrize("tp", [2, 3])
 @pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.CONFIG_TMA_ADD])
-def test_kernel_lowers_for_cuda_without_multicast(tp, config):
-    """The Mosaic GPU kernel lowers for tp peers; no multimem/multicast instruction in it."""
+def test_kernel_lowers_for_cuda_point_to_point_only(tp, config):
+    """The Mosaic GPU kernel lowers for tp peers with point-to-point stores only (no NVLS)."""
     mesh = _mesh(tp)
     spec = NamedSharding(mesh, P(None, "tp"))
     x = jax.ShapeDtypeStruct((757, 256 * tp), jnp.float8_e4m3fn, sharding=spec)
