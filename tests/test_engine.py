@@ -190,10 +190,10 @@ def test_in_place_scan_keeps_projection_weights_whole():
 
 
 def test_noise_ulp_nudge_moves_each_element_by_one_ulp():
-    from characters_jax.engine.step import nudge_ulp
+    from characters_jax.engine.step import nudge_noise_ulp
 
     x = jax.random.normal(jax.random.key(0), (1000,), jnp.float32).at[3].set(0.0)
-    y = nudge_ulp(x, jax.random.key(1))
+    y = nudge_noise_ulp(x, jax.random.key(1))
     d = np.abs(np.asarray(y).view(np.int32).astype(np.int64) - np.asarray(x).view(np.int32).astype(np.int64))
     assert d[3] == 0 and (np.delete(d, 3) == 1).all()
     a = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32"), 3)

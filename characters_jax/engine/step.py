@@ -83,7 +83,7 @@ def step_flops(cfg: Config) -> float:
     return float(cfg.sampler.num_passes * m.num_blocks * (gemm + attn))
 
 
-def nudge_ulp(x: jax.Array, key) -> jax.Array:
+def nudge_noise_ulp(x: jax.Array, key) -> jax.Array:
     """Moves each nonzero float32 element one ulp up or down in magnitude (random sign)."""
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     step = jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 1, -1).astype(jnp.int32)
@@ -250,7 +250,7 @@ class Engine:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
         if self.options.noise_ulp_seed is not None:
-            x = nudge_ulp(x, jax.random.fold_in(jax.random.key(self.options.noise_ulp_seed), state.step))
+            x = nudge_noise_ulp(x, jax.random.fold_in(jax.random.key(self.options.noise_ulp_seed), state.step))
         block_fn = self._block_fn(pos, offset, valid, slot_positions)
         cache = state.cache
         sigmas = cfg.sampler.sigmas
