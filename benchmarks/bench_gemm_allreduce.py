@@ -32,6 +32,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import rel_err  # noqa: E402
+
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLS stays off on the lent machines
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -176,13 +179,6 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None):
             jax.block_until_ready(jf(*args))
             ts.append((time.perf_counter() - t0) * 1e6 / reps)
         return statistics.median(ts)
-
-    def rel_err(out, ref):
-        out = np.asarray(jax.device_get(out), np.float64)
-        ref = np.asarray(jax.device_get(ref), np.float64)
-        if not np.isfinite(out).all():
-            return float("nan")
-        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     def record(key, fn, args, check=None):
         if deadline is not None and time.time() > deadline:

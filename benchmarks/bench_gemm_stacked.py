@@ -33,6 +33,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import rel_err  # noqa: E402
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 T0 = time.time()
@@ -74,13 +77,6 @@ def run(args):
 
     def poison():
         jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
-
-    def rel_err(out, ref):
-        out = np.asarray(jax.device_get(out), np.float64)
-        ref = np.asarray(jax.device_get(ref), np.float64)
-        if not np.isfinite(out).all():
-            return float("nan")
-        return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
     @jax.jit
     def reference(x8, w, scale):

@@ -408,15 +408,17 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(q0, BLOCK_Q), head])
             plgpu.wait_smem_to_gmem(0)
 
+        def issue_k(j, slot):
+            """K and the slot bias of KV block j into stage `slot` (rows past S: TMA zeros,
+            masked by the bias)."""
+            plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
+                                    k_smem_tma.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
+                                    b_smem.at[slot], k_bars.at[slot])
+
         def _memory_v_in_kernel():
             # 232 + 232 + 40 = 504 = 3 x 168, the registers the CTA is launched with.
             plgpu.set_max_registers(40, action="decrease")
-
-            def issue_k(j, slot):
-                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
-                                        k_smem_tma.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
-                                        b_smem.at[slot], k_bars.at[slot])
 
             def issue_v(j, slot):
                 plgpu.copy_gmem_to_smem(vt_ref.at[pl.ds(j * block_kv, block_kv), head],
@@ -455,11 +457,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(j, slot):
-                # Rows past S are zero-filled by TMA (and masked by the bias).
-                plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
-                                        k_smem_tma.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
-                                        b_smem.at[slot], k_bars.at[slot])
+                issue_k(j, slot)
                 plgpu.copy_gmem_to_smem(vt_ref.at[head, :, pl.ds(j * block_kv, block_kv)],
                                         v_smem.at[slot], v_bars.at[slot])
 
