@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 6 in one device call on nvidia-h200-x2 (at most ~9 minutes):
 #   1. characters-57b tp=2 bench with a profiler breakdown, for the ablation variants
-#        launch       launch cache,  cuDNN attention,      psum
-#        ring_cudnn   ring cache,    cuDNN attention,      psum
-#        ring_fp8     ring cache,    FP8 Pallas attention, psum
-#        ring_stacked ring cache,    FP8 Pallas attention, psum, projections read in place (--gemm stacked)
-#        ring_fused   ring cache,    FP8 Pallas attention, fused Pallas GEMM + all-reduce
+#        launch       launch cache,  cuDNN attention,      psum, XLA FP8 GEMMs (weights sliced per layer)
+#        ring_cudnn   ring cache,    cuDNN attention,      psum, XLA FP8 GEMMs
+#        ring_fp8     ring cache,    FP8 Pallas attention (K/V sliced per layer), psum, XLA FP8 GEMMs
+#        ring_kvslice ring cache,    FP8 Pallas attention (K/V sliced per layer), psum, stacked GEMMs
+#        ring_stacked ring cache,    FP8 Pallas attention (K/V read in place), psum, stacked Pallas
+#                     GEMMs (projections read in place from the layer stack)
+#        ring_fused   as ring_stacked, with the fused Pallas GEMM + all-reduce
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
@@ -28,7 +30,7 @@ STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
 DEADLINE_S=${DEADLINE_S:-530}
-VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_stacked ring_fused"}
+VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_kvslice ring_stacked ring_fused"}
 CONFIG=${CONFIG:-characters-57b}
 BLOCK_ARGS=${BLOCK_ARGS:-}
 ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
@@ -71,11 +73,12 @@ cat "$LOGS/env.txt"
 
 for v in $VARIANTS; do
   case $v in
-    launch)     opts=(--mode launch --attention "$ATTN_CUDNN" --reduce psum) ;;
-    ring_cudnn) opts=(--mode ring --attention "$ATTN_CUDNN" --reduce psum) ;;
-    ring_fp8)   opts=(--mode ring --attention "$ATTN_FP8" --reduce psum) ;;
-    ring_fused) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED") ;;
+    launch)       opts=(--mode launch --attention "$ATTN_CUDNN" --reduce psum --gemm xla) ;;
+    ring_cudnn)   opts=(--mode ring --attention "$ATTN_CUDNN" --reduce psum --gemm xla) ;;
+    ring_fp8)     opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm xla --kv-slice) ;;
+    ring_kvslice) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked --kv-slice) ;;
     ring_stacked) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked) ;;
+    ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp 2 "${opts[@]}" \

@@ -21,7 +21,7 @@ STEPS=${STEPS:-20}
 RUNS=${RUNS:-4}
 DECODER=${DECODER:-small}
 # Most telling first: variants not started after BUDGET_S seconds are skipped with a note.
-VARIANTS=${VARIANTS:-ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute,ring-bf16,production}
+VARIANTS=${VARIANTS:-ring-fp8,fp8-attention,fp8-gemm,stacked-gemm,fused-reduce,ppermute,ring-bf16,production}
 BUDGET_S=${BUDGET_S:-135}
 echo "== numerics: $CONFIG reduced to $BLOCKS blocks (full width; characters-57b has 60), tp=$TP, $STEPS steps, $RUNS reference runs, decoder=$DECODER"
 t0=$(date +%s)

@@ -64,6 +64,7 @@ F8_MAX = 448.0
 LOG2E = math.log2(math.e)
 _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
+IMPLS = ("auto", "reference", "pallas", "cudnn", "xla")
 
 __all__ = [
     "attention",
@@ -270,7 +271,7 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
 
 
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
-                        clip_out=True, v_in_kernel=False):
+                        clip_out=True, v_in_kernel=False, layer=None):
     """The pallas kernel. q8 [P, Tq', H, D] e4m3, k8 [S, H, D] e4m3, vt [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
     With clip_out the last query tile's store runs past Tq and TMA drops those rows.
@@ -280,15 +281,24 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     tile). The memory warpgroup then TMA-loads each V block untransposed into a staging
     buffer and writes it transposed (and key-permuted, see :func:`_key_permutation`)
     into the wgmma's V^T buffer with 32-bit shared loads, byte permutes and 32-bit
-    shared stores, bank-conflict-free (:func:`_transpose_v_block`)."""
+    shared stores, bank-conflict-free (:func:`_transpose_v_block`).
+
+    layer: None, or a [1] int32 array (needs v_in_kernel); then k8 and vt are the whole
+    cache stacks [L, S, H, D] and the kernel reads layer ``layer`` (clamped to [0, L))
+    in place: it indexes the GMEM refs with it before the TMA copies, so XLA never
+    copies the layer's K/V out of the stack."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental import mosaic as _mosaic  # noqa: F401
     import jax.experimental.mosaic.gpu as mgpu
 
     n_parts, tq_in, h, d = q8.shape
+    stacked = layer is not None
+    if stacked and not v_in_kernel:
+        raise ValueError("reading the K/V stack in place needs v_in_kernel=True")
+    num_layers = k8.shape[0] if stacked else 1
     tq_pad = -(-tq_in // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
-    s_len = vt.shape[0] if v_in_kernel else vt.shape[-1]
+    s_len = vt.shape[-3] if v_in_kernel else vt.shape[-1]
     nb = -(-s_len // block_kv)
     stages = min(stages, nb)
     n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
@@ -321,7 +331,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
         return regroup(p8)
 
-    def kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref, scoped):
+    def kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref, scoped, layer_ref=None):
+        if layer_ref is not None:
+            # Views of layer `li` of the stacks (clamped like lax.dynamic_slice): no copy.
+            li = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+            k_ref, vt_ref = k_ref.at[li], vt_ref.at[li]
         head = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem), bars = scoped
@@ -473,7 +487,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
         pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if v_in_kernel else _memory)
 
-    def entry(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref):
+    def entry(q_ref, k_ref, vt_ref, sc_ref, bias_ref, *refs):
+        layer_ref, out_ref = refs if stacked else (None, refs[0])
         sw = plgpu.SwizzleTransform(128)
         t8 = plgpu.TilingTransform((8, 128))
         t16 = plgpu.TilingTransform((8, 64))
@@ -509,7 +524,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.Barrier(num_barriers=stages)),)
         pl.run_scoped(
             lambda *scoped: kernel(q_ref, k_ref, vt_ref, sc_ref, bias_ref, out_ref,
-                                   (scoped[:6], scoped[6:])),
+                                   (scoped[:6], scoped[6:]), layer_ref),
             *smem, *bars, collective_axes="wg")
 
     return plgpu.kernel(
@@ -520,29 +535,34 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q8, k8, vt, scales, bias)
+    )(q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel"))
-def attention_pallas(q, k, v, k_scale, v_scale, valid, *, block_kv: int = 128,
+def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
-    Same arguments and result as :func:`attention_reference`; K/V must be
-    float8_e4m3fn and D == 128. v_in_kernel=True: V is read as stored and transposed in
-    the kernel; False: the wrapper builds a permuted V^T with XLA (GPU run 1's kernel).
+    Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
+    D == 128. v_in_kernel=True: V is read as stored and transposed in the kernel (and
+    with ``layer`` the [L, S, H, D] stacks are read in place); False: the wrapper builds
+    a permuted V^T with XLA (GPU run 1's kernel).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
         raise TypeError("attention_pallas needs float8_e4m3fn K/V")
+    if layer is not None and not v_in_kernel:
+        k, v = _layer_of(k, layer), _layer_of(v, layer)
+        layer = None
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
+        layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         out = _fp8_attention_call(q8, k, v, scales, bias, tq=tq, block_kv=block_kv,
                                   stages=stages, out_dtype=jnp.bfloat16, clip_out=clip_out,
-                                  v_in_kernel=True)
+                                  v_in_kernel=True, layer=layer_arr)
         return out[:tq].astype(q.dtype)
     q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
                                            q_split)
@@ -568,19 +588,40 @@ def _is_hopper() -> bool:
     return cc is not None and str(cc).startswith("9")
 
 
-def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto") -> jax.Array:
+def resolve_impl(impl: str, kv_dtype, head_dim: int) -> str:
+    """The concrete implementation that :func:`attention` runs for ``impl``:
+    'auto' is 'pallas' on an NVIDIA Hopper GPU for FP8 K/V and head_dim 128, else
+    'reference'; any other name is checked and returned."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    ok = jnp.dtype(kv_dtype) == F8 and head_dim == 128 and _is_hopper()
+    return "pallas" if ok else "reference"
+
+
+def _layer_of(x, layer):
+    return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=None) -> jax.Array:
     """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied); k, v: [S, H, D] float8_e4m3fn
     (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
     scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
+    layer: None, or an int32 scalar (may be traced); then k and v are the cache's whole
+    stacks [L, S, H, D] and layer ``layer`` is attended (clamped to [0, L)): the Pallas
+    kernel reads it in place, the other impls slice it.
     Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'cudnn' | 'xla'.
     'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
-    if impl == "auto":
-        fp8 = k.dtype == F8 and v.dtype == F8
-        impl = "pallas" if (fp8 and q.shape[-1] == 128 and _is_hopper()) else "reference"
+    impl = resolve_impl(impl, k.dtype, q.shape[-1])
+    if layer is not None and k.ndim != 4:
+        raise ValueError(f"with layer, k and v must be [L, S, H, D] stacks, got {k.shape}")
+    if impl == "pallas":
+        return attention_pallas(q, k, v, k_scale, v_scale, valid, layer)
+    if layer is not None:
+        k, v = _layer_of(k, layer), _layer_of(v, layer)
     if impl == "reference":
         return attention_reference(q, k, v, k_scale, v_scale, valid)
-    if impl == "pallas":
-        return attention_pallas(q, k, v, k_scale, v_scale, valid)
     if impl in ("cudnn", "xla"):
         return attention_dot_product(q, k, v, k_scale, v_scale, valid, implementation=impl)
     raise ValueError(f"unknown attention impl {impl!r}")

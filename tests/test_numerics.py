@@ -122,3 +122,30 @@ def test_identical_reference_runs_do_not_shrink_the_spread():
     assert s.latent_mean == pytest.approx(2e-3) and s.psnr_mean == pytest.approx(48.0)
     only_identical = Spread.of([identical], factor=2.0, floor=1e-6)
     assert only_identical.latent_worst == 0.0 and only_identical.band.min() == 1e-6
+
+
+def test_fp8_grid_snap_makes_weight_quantization_exact():
+    """The reference's snapped weights and the FP8 variant's e4m3 values x scale are equal
+    bit for bit (the FP8 variants run the same model); unsnapped weights are not."""
+    import jax
+
+    from characters_jax.config import load_config
+    from characters_jax.numerics import runs as R
+
+    engine = R.make_engine(R.reference_config(load_config("tiny"), "bf16"), 1, R.REFERENCE)
+    params = engine.init_params(jax.random.key(0))
+    snapped = R.snap_to_fp8_grid(params)
+    flat = lambda p: {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_flatten_with_path(p)[0]}
+    before, after = flat(params), flat(snapped)
+    weights = [k for k in after if R._block_weight_key(k)]
+    assert len(weights) == 4  # qkv, out, up, down
+    for key in after:
+        if key not in weights:
+            np.testing.assert_array_equal(np.asarray(after[key]), np.asarray(before[key]))
+            continue
+        values, scale = R.fp8_grid_quantize(after[key])
+        s = np.asarray(scale)
+        np.testing.assert_array_equal(np.exp2(np.round(np.log2(s))), s)  # powers of two
+        back = np.asarray(values.astype(jnp.float32) * scale[:, None, None])
+        np.testing.assert_array_equal(back, np.asarray(after[key], np.float32))
+        assert not np.array_equal(np.asarray(after[key]), np.asarray(before[key]))

@@ -187,17 +187,26 @@ def write(layout: CacheLayout, cache: KVCache, layer: jax.Array, offset: jax.Arr
     )
 
 
-def attention_operands(layout: CacheLayout, cache: KVCache, layer: jax.Array, slot_positions: jax.Array, valid: jax.Array, freqs):
+def attention_operands(layout: CacheLayout, cache: KVCache, layer: jax.Array, slot_positions: jax.Array, valid: jax.Array, freqs, *, whole_stack: bool = False):
     """What one attention call reads for block `layer`.
 
     Returns (k, v, k_scale, v_scale): k, v [S, H, D] as stored (ring) or re-rotated and
     re-quantized from the whole cache (launch); scales [H] float32 (ones when not FP8).
     slot_positions: [S, 3] int32 (used by launch only); valid: [S] bool.
+    whole_stack (ring mode only): k, v are the whole stacks [L, S, H, D] in the compute
+    dtype (a bitcast of the storage, no copy), for an attention that reads layer `layer`
+    in place; without it XLA copies the layer's K and V out of the stack.
     """
+    if layout.mode == "ring":
+        if whole_stack:
+            k, v = layout.from_storage(cache.k), layout.from_storage(cache.v)
+        else:
+            k, v = layout.from_storage(cache.k[layer]), layout.from_storage(cache.v[layer])
+        return k, v, cache.k_scale[layer], cache.v_scale[layer]
+    if whole_stack:
+        raise ValueError("whole_stack needs the ring cache (launch re-rotates every key per call)")
     k = layout.from_storage(cache.k[layer])
     v = layout.from_storage(cache.v[layer])
-    if layout.mode == "ring":
-        return k, v, cache.k_scale[layer], cache.v_scale[layer]
     k = apply_rope(k.astype(jnp.float32), slot_positions, freqs)
     if layout.quantized:
         k_scale = amax_scale(k, valid)

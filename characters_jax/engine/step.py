@@ -37,19 +37,37 @@ from pallas_kernels.fp8_attention import attention
 class EngineOptions:
     """attention: impl passed to `pallas_kernels.fp8_attention.attention`;
     reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto');
-    gemm: 'xla' (blocks' weights sliced per layer by the scan) | 'stacked' (projection
-    weights read in place from the layer stack: `scan_blocks(in_place=True)`);
+    gemm: 'auto' (= 'stacked' for FP8 weights where the stacked Pallas GEMM runs, an NVIDIA
+    Hopper GPU; 'xla' elsewhere) | 'xla' (blocks' weights sliced per layer by the scan) |
+    'stacked' (projection weights read in place from the layer stack:
+    `scan_blocks(in_place=True)`);
+    kv_in_place: ring cache: attention gets the whole K/V stacks and the layer index (the
+    Pallas kernel reads the layer in place, other impls slice it); False slices the layer
+    out before the call (an XLA copy of K and V per block; kept for the ablation);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
     (random sign per element) - a run-to-run perturbation for the numerics harness."""
 
     attention: str = "auto"
     reduce: str = "auto"
-    gemm: str = "xla"
+    gemm: str = "auto"
+    kv_in_place: bool = True
     noise_ulp_seed: int | None = None
 
     def __post_init__(self):
-        if self.gemm not in ("xla", "stacked"):
-            raise ValueError(f"gemm must be 'xla' or 'stacked', got {self.gemm!r}")
+        if self.gemm not in GEMM_MODES:
+            raise ValueError(f"gemm must be one of {GEMM_MODES}, got {self.gemm!r}")
+
+
+GEMM_MODES = ("auto", "xla", "stacked")
+
+
+def resolve_gemm(gemm: str, weight_dtype: str) -> str:
+    """'auto' -> 'stacked' for FP8 weights on a GPU where the stacked kernel runs, else 'xla'."""
+    if gemm != "auto":
+        return gemm
+    from pallas_kernels import fp8_gemm_stacked
+
+    return "stacked" if weight_dtype == "fp8" and fp8_gemm_stacked.is_supported() else "xla"
 
 
 def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
@@ -96,6 +114,7 @@ class Engine:
     def __init__(self, cfg: Config, mesh, options: EngineOptions = EngineOptions(), rules: ShardingRules = ShardingRules()):
         cfg.validate_tp(mesh.size)
         self.cfg, self.mesh, self.options = cfg, mesh, options
+        self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
         self.layout = kvc.CacheLayout.from_config(cfg)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
@@ -173,9 +192,12 @@ class Engine:
                     if token_valid is not None:
                         c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
                     c = kvc.write(layout, c, layer, offset, k, v, positions, freqs)
-                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs)
+                    # Ring: attention gets the whole K/V stacks and the layer; the Pallas
+                    # kernel reads the layer in place, the other impls slice it (an XLA copy).
+                    in_place = layout.mode == "ring" and opts.kv_in_place
+                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
                 with jax.named_scope("attention"):
-                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention)
+                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None)
                 return o, c
 
             return block(x, shared_mod, attend, reduce, layer=layer)
@@ -184,7 +206,7 @@ class Engine:
 
     def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
         temb = model.time_embedding(sigma)
-        in_place = self.options.gemm == "stacked"
+        in_place = self.gemm == "stacked"
         h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn, in_place=in_place)
         return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
 

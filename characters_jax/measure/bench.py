@@ -75,7 +75,7 @@ def run_bench(args) -> dict:
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice))
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -143,7 +143,8 @@ def run_bench(args) -> dict:
         "weight_dtype": cfg.model.weight_dtype,
         "attention": args.attention,
         "reduce": args.reduce,
-        "gemm": args.gemm,
+        "gemm": gen.engine.gemm,
+        "kv_in_place": not args.kv_slice,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
         "params_billion": count_params(cfg) / 1e9,
@@ -233,7 +234,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | cudnn | xla")
     p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas")
-    p.add_argument("--gemm", choices=("xla", "stacked"), default="xla", help="block projections: sliced per layer (xla) or read in place from the layer stack (stacked)")
+    p.add_argument("--gemm", choices=("auto", "xla", "stacked"), default="auto", help="block projections: sliced per layer (xla), read in place from the layer stack (stacked), or auto (stacked for FP8 weights on Hopper)")
+    p.add_argument("--kv-slice", action="store_true", help="ring cache: slice each layer's K/V out of the stack before attention (an XLA copy) instead of passing the stack (ablation)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
     p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
     p.add_argument("--seed", type=int, default=0)

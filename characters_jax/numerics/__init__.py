@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, help="write the full result (curves, table, notes) here")
     p.add_argument("--plot", default=None, help="write a PNG of divergence against step here")
     p.add_argument("--table", default=None, help="write the markdown table here")
+    p.add_argument("--float-weights", action="store_true",
+                   help="keep the reference's block weights as drawn (default: snapped to the FP8 grid, so that "
+                        "FP8-weight variants run the same model and only their arithmetic is judged)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_main)
 
@@ -60,7 +63,8 @@ def _main(args) -> int:
     settings = Settings(config=args.config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
                         blocks=args.blocks, dtype=args.dtype, ref_cache_dtype=args.ref_cache_dtype,
                         factor=args.factor, floor=args.floor, decoder=args.decoder, seed=args.seed,
-                        verbose=not args.quiet, time_budget_s=args.time_budget)
+                        verbose=not args.quiet, time_budget_s=args.time_budget,
+                        fp8_grid_weights=not args.float_weights)
 
     def save(report, final: bool) -> None:
         if report.config.model.dtype == "float32" and final:

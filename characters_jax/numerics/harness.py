@@ -49,6 +49,7 @@ class Settings:
     sync_each_step: bool | None = None  # None: on CPU
     verbose: bool = True
     time_budget_s: float | None = None  # variants not started by then are skipped (noted)
+    fp8_grid_weights: bool = True  # reference block weights snapped to the FP8 grid (runs.snap_to_fp8_grid)
 
 
 @dataclasses.dataclass
@@ -123,11 +124,16 @@ def prepare(settings: Settings) -> Setup:
     ref_cfg = R.reference_config(cfg, settings.ref_cache_dtype)
     timer = R.Timer()
     notes = []
+    if settings.fp8_grid_weights:
+        notes.append("reference block weights on the FP8 grid (e4m3 x power-of-two scale per layer): "
+                     "FP8-weight variants run the same model; their divergence is the FP8 arithmetic")
     if settings.blocks and settings.blocks != load_config(settings.config).model.num_blocks:
         notes.append(f"reduced depth: {cfg.name} with {settings.blocks} of {load_config(settings.config).model.num_blocks} blocks (full width)")
     with timer("init"):
         engine = R.make_engine(ref_cfg, settings.tp, R.REFERENCE)
         params = engine.init_params(jax.random.key(settings.seed))
+        if settings.fp8_grid_weights:
+            params = R.snap_to_fp8_grid(params)
         inputs = R.make_inputs(ref_cfg, settings.steps, engine.pad_prompt, settings.seed)
         jax.block_until_ready(params)
     decoder = None

@@ -32,6 +32,7 @@ class Variant:
     attention: str = "reference"
     reduce: str = "psum"
     fp8_weights: bool = False
+    gemm: str = "xla"
     description: str = ""
 
 
@@ -44,9 +45,10 @@ VARIANTS: dict[str, Variant] = {
         Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
         Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + Pallas FP8 attention kernel"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
+        Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
         Variant("ppermute", reduce="ppermute", description="ppermute ring reduction overlapping the GEMM"),
-        Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs, reduce auto"),
+        Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", gemm="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs (gemm auto), reduce auto"),
     )
 }
 
@@ -147,7 +149,7 @@ def make_engine(cfg: Config, tp: int, v: Variant, noise_ulp_seed: int | None = N
     from characters_jax.engine.step import Engine, EngineOptions
     from characters_jax.parallel.sharding import make_mesh
 
-    options = EngineOptions(attention=v.attention, reduce=v.reduce, noise_ulp_seed=noise_ulp_seed)
+    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm, noise_ulp_seed=noise_ulp_seed)
     return Engine(cfg, make_mesh(tp), options)
 
 
@@ -155,22 +157,46 @@ def _block_weight_key(key: str) -> bool:
     return key.startswith("['blocks']") and key.endswith("['w'].value")
 
 
+def fp8_grid_quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w [L, N, K] float -> (e4m3 values [L, N, K], scale [L] float32), one scale per layer:
+    the power of two at or above amax / 448, so values * scale is exact in bf16 and f32."""
+    from characters_jax.parallel.fp8_linear import FP8_DTYPE, FP8_MAX
+
+    wf = w.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(wf), axis=(1, 2)), 1e-30)
+    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / FP8_MAX)))
+    values = jnp.clip(wf / scale[:, None, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return values, scale
+
+
+def snap_to_fp8_grid(params):
+    """The block projection weights [L, N, K] rounded to what `fp8_params` stores
+    (e4m3 values times a power-of-two per-layer scale), in their own dtype; everything
+    else unchanged. A reference drawn this way and its FP8 variants run the same model,
+    so their difference is the FP8 arithmetic (activations quantized, FP8 GEMMs), not
+    the weight rounding (a property of the checkpoint, the same in every run)."""
+
+    def leaf(path, x):
+        if not _block_weight_key(jax.tree_util.keystr(path)):
+            return x
+        values, scale = fp8_grid_quantize(x)
+        return (values.astype(jnp.float32) * scale[:, None, None]).astype(x.dtype)
+
+    return jax.jit(lambda p: jax.tree_util.tree_map_with_path(leaf, p))(params)
+
+
 def fp8_params(engine, ref_params):
     """The reference's float weights as this FP8 engine stores them (on its mesh).
 
-    Block projections w [L, N, K] -> e4m3 values with a per-tensor (per layer) scale
-    amax / 448 (`w_scale` [L]); every other parameter is copied.
+    Block projections w [L, N, K] -> e4m3 values with a per-tensor (per layer)
+    power-of-two scale (`fp8_grid_quantize`; `w_scale` [L]); every other parameter is
+    copied. Exact when the reference was snapped with `snap_to_fp8_grid`.
     """
-    from characters_jax.parallel.fp8_linear import FP8_DTYPE, FP8_MAX
+    from characters_jax.parallel.fp8_linear import FP8_DTYPE
 
     def build(ref):
         flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(ref)[0]}
-
-        def quant(w):
-            wf = w.astype(jnp.float32)
-            scale = jnp.maximum(jnp.max(jnp.abs(wf), axis=(1, 2)), 1e-12) / FP8_MAX
-            values = jnp.clip(wf / scale[:, None, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-            return values, scale
+        quant = fp8_grid_quantize
 
         def leaf(path, abstract):
             key = jax.tree_util.keystr(path)
