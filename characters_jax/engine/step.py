@@ -304,9 +304,14 @@ class Engine:
                 cache, checksum = c
                 kv = new_kv[layer].astype(jnp.float32)
                 cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
-                k, v, _, _ = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs)
+                # As the step: the ring cache's stacks go to attention whole (read in place),
+                # otherwise the layer's K/V are materialized (launch: re-rotated/quantized).
+                whole = layout.mode == "ring" and self.options.kv_in_place
+                k, v, _, _ = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs, whole_stack=whole)
                 # Materialize what attention reads, and consume it so it is not dead code.
                 k, v, cache = jax.lax.optimization_barrier((k, v, cache))
+                if whole:
+                    k, v = k[layer], v[layer]
                 return cache, checksum + k[-1, 0, 0].astype(jnp.float32) + v[-1, 0, 0].astype(jnp.float32)
 
             cache = state.cache
