@@ -12,8 +12,9 @@
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
 # Run from the repository root:   bash benchmarks/gpu_issue6.sh
-# Everything goes to $OUT (8 files at most come back): 4 bench JSONs, block_reference.json,
-# decoder_timing.json, breakdown.png, logs.tar.gz (logs, per-variant breakdown.json, HLO text).
+# Everything goes to $OUT (8 files at most come back): results.tar.gz (the bench JSONs,
+# block_reference.json, decoder_timing.json, decoder_overlap.json), breakdown.png,
+# logs.tar.gz (logs, per-variant breakdown.json, HLO text).
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 # Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all four),
@@ -89,6 +90,7 @@ done
 if [ "${EXTRAS:-1}" = 1 ]; then  # EXTRAS=0: the step variants and the plot only
 guarded block_reference 150 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" --torch-timeout 80 $BLOCK_ARGS
 guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device 1 --chunks 20 --json "$OUT/decoder_timing.json"
+guarded decoder_overlap 150 python3 benchmarks/decoder_overlap.py --config "$CONFIG" --tp 2 --decoder-device 1 --json "$OUT/decoder_overlap.json"
 fi
 guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp2_*.json --out "$OUT/breakdown.png"
 
@@ -126,5 +128,14 @@ if dt.exists():
     r = json.loads(dt.read_text())
     print(f"decoder {r['frames_shape']}: {r['latency_ms']['p50']:.1f} ms/chunk (pipelined {r['pipelined_ms']:.1f}, "
           f"with host copy {r['with_copy_ms']['p50']:.1f}); target <= 60 ms")
-print("files:", " ".join(sorted(x.name for x in out.iterdir())))
+do = out / "decoder_overlap.json"
+if do.exists():
+    r = json.loads(do.read_text())
+    s, d = r["step_ms"], r["decoder_ms"]
+    print(f"decoder sharing GPU 1: step p50 alone {s['alone']['p50']:.1f}, paced {s['paced']['p50']:.1f} "
+          f"(x{r['step_ratio_paced']:.3f}), back to back {s['back_to_back']['p50']:.1f} (x{r['step_ratio_back_to_back']:.3f}) ms; "
+          f"decode alone {d['alone']['latency_ms']['p50']:.1f}, paced {d['paced']['latency_ms']['p50']:.1f} ms/chunk")
 EOF
+# At most 8 files come back from the device: the JSONs travel as one archive.
+( cd "$OUT" && ls *.json > /dev/null 2>&1 && tar czf results.tar.gz *.json && rm -f *.json ) || true
+ls "$OUT"
