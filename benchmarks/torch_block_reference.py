@@ -347,8 +347,11 @@ def run_torch(sh: Shapes, iters: int, reps: int, warmup: int, timeout_s: float, 
 # ==========================================================================================
 
 
-def run_jax(sh: Shapes, iters: int, reps: int, warmup: int, attention_impls: tuple[str, ...]) -> dict:
-    """Times the same components with the project's pieces; returns {"ms": {...}, "notes": [...]}."""
+def run_jax(sh: Shapes, iters: int, reps: int, warmup: int, attention_impls: tuple[str, ...], gemm: str = "auto") -> dict:
+    """Times the same components with the project's pieces; returns {"ms": {...}, "notes": [...]}.
+
+    gemm: 'xla' (XLA's FP8 GEMM on an [N, K] weight) | 'stacked' (the Pallas FP8 GEMM the
+    model's scan uses, on a one-layer stack [1, N, K], layer 0) | 'auto' (stacked on Hopper)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -370,7 +373,16 @@ def run_jax(sh: Shapes, iters: int, reps: int, warmup: int, attention_impls: tup
     def randn(shape, dtype=bf16, std=1.0):
         return (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
-    weights = {name: Fp8Weight(values=randn((n, k), f8), scale=jnp.float32(k**-0.5)) for name, (_, k, n) in sh.gemms().items()}
+    if gemm == "auto":
+        from pallas_kernels import fp8_gemm_stacked
+
+        gemm = "stacked" if fp8_gemm_stacked.is_supported() else "xla"
+    notes.append(f"JAX FP8 GEMMs: {gemm}")
+    if gemm == "stacked":
+        weights = {name: Fp8Weight(values=randn((1, n, k), f8), scale=jnp.full((1,), k**-0.5, jnp.float32), layer=jnp.int32(0))
+                   for name, (_, k, n) in sh.gemms().items()}
+    else:
+        weights = {name: Fp8Weight(values=randn((n, k), f8), scale=jnp.float32(k**-0.5)) for name, (_, k, n) in sh.gemms().items()}
     x0 = randn((m, d))
     mod = randn((3, d), jnp.float32, 0.1)
     g = jnp.ones((hd,), bf16)
@@ -464,6 +476,10 @@ def run_jax(sh: Shapes, iters: int, reps: int, warmup: int, attention_impls: tup
 
     def qkv_gemm_only_op(c, w):
         x8, sx = c
+        if w.stacked:
+            from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
+
+            return stacked_fp8_matmul(x8, w.values, w.layer, sx * w.scale[0])
         return (fp8_dot(x8, w.values, jnp.float32) * (sx * w.scale)).astype(bf16)
 
     def elementwise_op(c, mod_):
@@ -561,6 +577,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--attention", default=None, help="JAX attention impls, comma-separated (default cudnn,pallas on GPU, xla on CPU)")
     p.add_argument("--no-torch", action="store_true", help="JAX side only")
+    p.add_argument("--jax-gemm", choices=("auto", "xla", "stacked"), default="auto", help="JAX FP8 GEMM path (auto: the Pallas stacked GEMM on Hopper, as the model)")
     p.add_argument("--torch-timeout", type=float, default=240.0, help="seconds for the PyTorch workers")
     p.add_argument("--json", default=None, help="output path (default $OUT/block_reference.json)")
     a = p.parse_args(argv)
@@ -585,7 +602,7 @@ def main(argv=None) -> int:
     impls = tuple(a.attention.split(",")) if a.attention else (("cudnn", "pallas") if jax.default_backend() == "gpu" else ("xla",))
     t0 = time.perf_counter()
     try:
-        jax_res = run_jax(sh, iters, reps, a.warmup, impls)
+        jax_res = run_jax(sh, iters, reps, a.warmup, impls, a.jax_gemm)
     except Exception as e:
         jax_res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
         print(jax_res["traceback"], file=sys.stderr)
