@@ -30,9 +30,37 @@ The exchange is point-to-point remote stores only (no NVLS), so any number of de
 works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
 elements: the same as a ring all-reduce for tp = 2, more for larger tp.
 
+Synchronization (the model calls the kernel 240 times a step, back to back in a scan):
+  - Semaphores come from ``pl.get_global``.  In jax 0.11.2 they live in a GMEM scratch
+    operand that the lowering zero-fills right at each call (a broadcast of 0 aliased
+    into the custom call; XLA keeps a fresh zero per call, also inside loops, where a
+    constant aliased into an in-place call gets a copy).  So every call starts at zero
+    and the waits need not decrement (``tests/test_fp8_gemm_allreduce.py`` checks the
+    lowered program for this).
+  - done: each compute warpgroup of every block, once its copies have completed, signals
+    every peer once; block 0 of each device waits for the 2 * num_sms * (tp - 1) signals
+    of its peers, so when the kernel ends every tile sent to this device has landed.
+  - entry (``Config.entry_sync``, default on): nothing may be written into a peer, nor
+    signalled to it, before that peer's call has begun.  Until then its receive buffer
+    is memory XLA may still use for other values of the preceding ops (or, for the
+    previous call, the buffer the sum pass is still reading), and its zero-fill of the
+    semaphores has not run, so an early signal would be erased (a hang).  The kernel does
+    not rely on the runtime to line the devices up before the launch: block 0's first
+    warpgroup signals each peer at the start (phase 1); every compute warpgroup, before
+    its first remote store (after its first tile's main loop, so normally at no cost) and
+    before its done signals, waits until every peer has signalled; block 0's first
+    warpgroup, when it sees a peer, signals it again (phase 2).  A phase-1 signal can be
+    erased by a peer that had not yet begun, but that peer's own phase 1 then reaches this
+    device, which answers with phase 2 after seeing it, i.e. after the peer's zero-fill:
+    every device passes, and every later signal (phase 2, done) comes from a device that
+    has seen its target inside the call.  One semaphore per peer distance (slot j on a
+    device counts the device j places behind it).  ``Config(entry_sync=False)`` is run 1's
+    protocol, kept for the GPU A/B check.
+
 Shapes and dtypes (per device):
   x_fp8  [M, K]  float8_e4m3fn       (M is padded to the tile height internally)
-  w_fp8  [N, K]  float8_e4m3fn       (K-major, as stored by ``Fp8Weight``)
+  w_fp8  [N, K]  float8_e4m3fn       (K-major, as stored by ``Fp8Weight``), or a stack
+         [L, N, K] read in place at block ``layer`` ([] int32, may be traced)
   scale  []      float32             (x scale * w scale, per tensor)
   addend [M, N]  out_dtype, optional (a partial computed elsewhere, reduced with it)
   out    [M, N]  out_dtype, the sum over devices, on every device
@@ -68,11 +96,18 @@ class Config:
     grid_minor_n: bool = True
     grid_tile_width: int = 4
     reduce: str = "xla"  # 'xla' | 'tma_add' (module docstring)
+    # Entry handshake before the first remote write (module docstring, "Synchronization").
+    # False: run 1's protocol (remote writes may start before a peer has entered the call).
+    entry_sync: bool = True
 
 
 # Run 1's configuration (the fallback) and the in-kernel reduction.
 CONFIG_RUN1 = Config()
 CONFIG_TMA_ADD = Config(reduce="tma_add")
+# Run 1's synchronization, kept for the GPU A/B check of the entry handshake.
+CONFIG_NO_ENTRY_SYNC = Config(entry_sync=False)
+# What gemm_allreduce uses when no config is given (row_parallel passes none).
+DEFAULT_CONFIG = Config()
 
 
 def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp.bfloat16):
@@ -104,17 +139,22 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
             layer=None, num_sms=None, interpret=False):
     """Launches the Mosaic GPU kernel.
 
-    reduce='xla': returns (own partial [Mp, N], received [tp-1, Mp, N] or None).
+    Operands (per device): x [Mx, K] e4m3 (Mx = M, or M rounded up as the caller padded it);
+    w [N, K] e4m3, or a stack [L, N, K] with ``layer``; scale_tile [epi_m, epi_n] f32 (the
+    combined scale, broadcast); addend None or [Mx, N] out_dtype.
+
+    reduce='xla': returns (own partial [Mx, N], received [tp-1, Mx, N] or None).
     reduce='tma_add': returns (the reduced [M, N], None).
 
-    Shared with ``fp8_gemm_stacked`` (tp = 1, reduce='xla'):
       layer: None, or a [1] int32 array; then ``w`` is a stack [L, N, K] and the kernel
         reads ``w[layer]`` (clamped to [0, L)) in place: the GMEM ref is indexed with
         the scalar before the TMA copies, so XLA never materializes the [N, K] slice.
+        Any tp (the stacked GEMM of ``fp8_gemm_stacked`` is tp = 1).
       With tp = 1, M need not be a multiple of tile_m (it must be one of 8, for the TMA
         tiling): the last tile's rows past M are zero on load and dropped on store.
       num_sms: the persistent grid size (default: the device's SM count).
-      interpret: run under the Pallas interpreter (CPU tests).
+      interpret: run under the Pallas interpreter (CPU tests; tp = 1 only: the
+        interpreter has no semaphores or remote refs).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -130,6 +170,10 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         raise ValueError(f"unknown reduce {c.reduce!r}")
     if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
+    if addend is not None and (addend.shape != (x.shape[0], n)
+                             or jnp.dtype(addend.dtype) != jnp.dtype(out_dtype)):
+        raise ValueError(f"addend must be [{x.shape[0]}, {n}] {jnp.dtype(out_dtype).name}, got "
+                         f"{addend.shape} {addend.dtype}")
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     if num_sms is None:
         num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
@@ -141,6 +185,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                       plgpu.SwizzleTransform(out_swizzle))
     has_addend = addend is not None
     epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
+    entry_sync = c.entry_sync and tp > 1
 
     def body(x_ref, w_ref, scale_ref, *refs):
         if stacked:
@@ -158,6 +203,33 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         block = lax.axis_index("cluster_grid")
         done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tp > 1 else None
         zero_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tma_add else None
+        # entry[j]: signals from the device j places behind (slot 0 unused).
+        entry = ([None] + [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(1, tp)]
+                 if entry_sync else None)
+        leader = (wg == 0) & (block == 0)
+
+        def enter(is_leader):
+            """Returns once every peer has entered this call (its prior work is done, its
+            semaphores zeroed); the leader then re-signals each peer it has seen (phase 2).
+
+            Phase 1 (at the start, below) can land on a peer before that peer's call has
+            begun, where XLA's zeroing of the scratch erases it; phase 2 is sent only after
+            the peer was seen inside the call, so it cannot be erased (module docstring).
+            """
+            if not entry_sync:
+                return
+            for j in range(1, tp):
+                pl.semaphore_wait(entry[j], 1, decrement=False)
+                if is_leader is not None:
+                    @pl.when(is_leader)
+                    def _phase2(j=j):
+                        pl.semaphore_signal(entry[tp - j], 1, device_id=lax.rem(dev - j + tp, tp))
+
+        if entry_sync:
+            @pl.when(leader)
+            def _phase1():
+                for j in range(1, tp):
+                    pl.semaphore_signal(entry[j], 1, device_id=lax.rem(dev + j, tp))
 
         pipeline = functools.partial(
             plgpu.emit_pipeline_warp_specialized,
@@ -212,6 +284,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                             out_ref.at[pl.ds(zm * c.epi_m, c.epi_m), pl.ds(zn * c.epi_n, c.epi_n)])
 
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    enter(leader)  # before the first remote operation
                     for j in range(tp):
                         if j == 0:
                             pl.semaphore_signal(zero_sem, 1)
@@ -233,6 +306,13 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                     def _acc(acc_ref):
                         eval_pipeline(acc_ref)
                         acc = acc_ref[...]
+                        if entry_sync and not tma_add:
+                            # The first remote store of this warpgroup waits for every peer
+                            # to be inside this call (cheap: ~100 us of mainloop have passed).
+                            @pl.when(info.local_index == 0)
+                            def _first_tile():
+                                enter(leader)
+
                         for e in range(epi_per_wg):
                             em, en = divmod(e, c.tile_n // c.epi_n)
                             e_m = slice(em * c.epi_m, (em + 1) * c.epi_m)
@@ -291,10 +371,11 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         if tp > 1:
             @pl.when(wg < 2)
             def _signal():
+                enter(None)  # a block without tiles has not checked yet
                 for j in range(1, tp):
                     pl.semaphore_signal(done_sem, 1, device_id=lax.rem(dev + j, tp))
 
-            @pl.when((wg == 0) & (block == 0))
+            @pl.when(leader)
             def _wait():
                 pl.semaphore_wait(done_sem, value=2 * num_sms * (tp - 1), decrement=False)
 
@@ -319,16 +400,30 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     return outs[0], (outs[1] if (tp > 1 and not tma_add) else None)
 
 
-def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=jnp.bfloat16,
-                   x_scale=None, config: Config = Config(), use_kernel: bool | None = None):
+def _select_layer(w_fp8, layer):
+    """w_fp8 [N, K], or [L, N, K] with layer [] int32: the [N, K] weight (an XLA slice)."""
+    if layer is None:
+        return w_fp8
+    return lax.dynamic_index_in_dim(w_fp8, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+
+
+def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp",
+                   out_dtype=jnp.bfloat16, x_scale=None, config: Config | None = None,
+                   use_kernel: bool | None = None, num_sms: int | None = None):
     """All-reduced (over ``axis_name``) x @ w.T * scales (+ addend), inside shard_map.
 
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
-        FP8 activations whose scale is given as ``x_scale``.
-      w_fp8: [N, K] float8_e4m3fn weight shard; w_scale: [] float32.
-      addend: optional [M, N] partial of this device, reduced together with the product.
+        FP8 activations whose scale is given as ``x_scale`` ([] float32).
+      w_fp8: [N, K] float8_e4m3fn weight shard, or a stack [L, N, K] of them with
+        ``layer`` ([] int32, may be traced; clamped like ``lax.dynamic_slice``): the kernel
+        then reads block ``layer`` of the stack in place (no [N, K] copy).
+      w_scale: [] float32, the scale of the (selected) weight.
+      addend: optional [M, N] partial of this device, reduced together with the product
+        (cast to out_dtype; the kernel adds it in f32 in its epilogue).
+      config: the kernel's Config (default ``DEFAULT_CONFIG``).
       use_kernel: None picks the Pallas kernel where supported, else the XLA reference.
+      num_sms: the kernel's persistent grid (default: every SM).
     Returns:
       [M, N] out_dtype, the same on every device.
     """
@@ -336,16 +431,24 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=
 
     if jnp.ndim(w_scale) != 0:
         raise NotImplementedError("the fused kernel takes a per-tensor weight scale")
+    if (layer is None) != (w_fp8.ndim == 2) or w_fp8.ndim not in (2, 3):
+        raise ValueError(f"want w [N, K], or w [L, N, K] with a layer; got {w_fp8.shape}, "
+                         f"layer={layer}")
+    config = config or DEFAULT_CONFIG
     if x_scale is None:
         x, x_scale = quantize_activation(x)
     scale = (x_scale * w_scale).astype(jnp.float32)
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
-        return reference(x, w_fp8, scale, addend, axis_name=axis_name, out_dtype=out_dtype)
+        return reference(x, _select_layer(w_fp8, layer), scale, addend, axis_name=axis_name,
+                         out_dtype=out_dtype)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
     scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
+    layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    kw = dict(axis_name=axis_name, tp=tp, out_dtype=out_dtype, config=config, layer=layer_arr,
+              num_sms=num_sms)
     if config.reduce == "tma_add":
         # TMA tiling wants rows in multiples of 8 (757 -> 760, not 768); the rest of the
         # last tile is out of bounds (zero on load, dropped on store).  The final slice
@@ -354,16 +457,14 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, axis_name="tp", out_dtype=
         x = jnp.pad(x, pad8)
         if addend is not None:
             addend = jnp.pad(addend.astype(out_dtype), pad8)
-        out, _ = _kernel(x, w_fp8, scale_tile, addend, axis_name=axis_name, tp=tp,
-                         out_dtype=out_dtype, config=config)
+        out, _ = _kernel(x, w_fp8, scale_tile, addend, **kw)
         return out[:m]
     m_pad = -(-m // config.tile_m) * config.tile_m
     pad = ((0, m_pad - m), (0, 0))
     x = jnp.pad(x, pad)
     if addend is not None:
         addend = jnp.pad(addend.astype(out_dtype), pad)
-    own, received = _kernel(x, w_fp8, scale_tile, addend, axis_name=axis_name, tp=tp,
-                            out_dtype=out_dtype, config=config)
+    own, received = _kernel(x, w_fp8, scale_tile, addend, **kw)
     total = own.astype(jnp.float32)
     if received is not None:
         total = total + received.astype(jnp.float32).sum(0)

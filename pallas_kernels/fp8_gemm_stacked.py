@@ -24,9 +24,16 @@ fusion that quantizes x), and the last M tile's rows past that are handled by TM
 bounds (zero on load, dropped on store), not by padding to the tile (768).  The output
 is [M, N]: the kernel writes 760 rows and ``[:M]`` fuses into the consumer.
 
+Addend: ``addend`` [M, N] (optional) is added to the scaled product in the epilogue, in
+float32, before the single rounding to out_dtype: the kernel loads each 64x64 sub-tile of
+it by TMA into the sub-tile's output buffer in shared memory.  Two products that are summed
+(attention-out + MLP-down before their all-reduce) then cost one output pass, not two
+float32 outputs and an XLA add.  The kernel takes the addend in out_dtype (it is cast);
+the reference adds it in float32.
+
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
-scale [] float32 (x scale * w scale).  K % tile_k == 0 and N % (2 * tile_n) == 0
-(128 and 256 by default: every characters-57b projection fits).
+scale [] float32 (x scale * w scale), addend None or [M, N].  K % tile_k == 0 and
+N % (2 * tile_n) == 0 (128 and 256 by default: every characters-57b projection fits).
 """
 
 from __future__ import annotations
@@ -54,18 +61,33 @@ def fits(n: int, k: int, config: Config = DEFAULT_CONFIG) -> bool:
     return _fa.fits(k, n, config)
 
 
-def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16):
-    """Plain jnp: (x @ w_stacked[layer].T) * scale in float32, then out_dtype.
+def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None):
+    """Plain jnp: (x @ w_stacked[layer].T) * scale (+ addend) in float32, then out_dtype.
 
     The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
     """
     w = lax.dynamic_index_in_dim(w_stacked, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     y = jnp.matmul(x_fp8.astype(jnp.float32), w.astype(jnp.float32).T,
                    precision=lax.Precision.HIGHEST)
-    return (y * jnp.asarray(scale, jnp.float32)).astype(out_dtype)
+    y = y * jnp.asarray(scale, jnp.float32)
+    if addend is not None:
+        y = y + addend.astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
-def _check(x_fp8, w_stacked, layer, scale):
+def uses_kernel(x_fp8, w_stacked, impl="auto", config: Config | None = None) -> bool:
+    """Whether ``stacked_fp8_matmul(x_fp8, w_stacked, ..., impl=impl)`` runs the Pallas kernel
+    (so that a caller can pick the dtype of an addend it passes: the kernel's out_dtype)."""
+    if impl in ("pallas", "interpret"):
+        return True
+    if impl != "auto":
+        return False
+    n, k = w_stacked.shape[-2:]
+    return (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config or DEFAULT_CONFIG)
+            and is_supported())
+
+
+def _check(x_fp8, w_stacked, layer, scale, addend=None):
     if x_fp8.ndim != 2 or w_stacked.ndim != 3:
         raise ValueError(f"want x [M, K] and w_stacked [L, N, K], got {x_fp8.shape} and "
                          f"{w_stacked.shape}")
@@ -73,9 +95,13 @@ def _check(x_fp8, w_stacked, layer, scale):
         raise ValueError(f"K mismatch: x {x_fp8.shape} vs w_stacked {w_stacked.shape}")
     if jnp.ndim(layer) != 0 or jnp.ndim(scale) != 0:
         raise ValueError("layer and scale must be scalars")
+    if addend is not None and addend.shape != (x_fp8.shape[0], w_stacked.shape[1]):
+        raise ValueError(f"addend must be [M, N] = {(x_fp8.shape[0], w_stacked.shape[1])}, got "
+                         f"{addend.shape}")
 
 
-def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool):
+def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool,
+            addend=None):
     if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
         raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
                          f"{w_stacked.dtype}")
@@ -87,35 +113,37 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
     m8 = -(-m // 8) * 8
     x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
+    if addend is not None:
+        addend = addend.astype(out_dtype)
+        addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
     out, _ = _fa._kernel(
-        x, w_stacked, scale_tile, None, axis_name=None, tp=1, out_dtype=out_dtype,
+        x, w_stacked, scale_tile, addend, axis_name=None, tp=1, out_dtype=out_dtype,
         config=config, layer=layer_arr,
         num_sms=INTERPRET_NUM_SMS if interpret else None, interpret=interpret)
     return out if m8 == m else out[:m]
 
 
 def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16,
-                       impl="auto", config: Config | None = None) -> jax.Array:
+                       impl="auto", config: Config | None = None, addend=None) -> jax.Array:
     """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
-    scale: [] float32 (x_scale * w_scale, applied in the epilogue).
-    Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale.
+    scale: [] float32 (x_scale * w_scale, applied in the epilogue);
+    addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
+    float32 before the rounding to out_dtype.
+    Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
     config: the kernel's tiling (default ``DEFAULT_CONFIG``)."""
-    _check(x_fp8, w_stacked, layer, scale)
+    _check(x_fp8, w_stacked, layer, scale, addend)
     config = config or DEFAULT_CONFIG
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        n, k = w_stacked.shape[1:]
-        ok = (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config)
-              and is_supported())
-        impl = "pallas" if ok else "reference"
+        impl = "pallas" if uses_kernel(x_fp8, w_stacked, "auto", config) else "reference"
     if impl == "reference":
-        return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype)
-    if impl in ("pallas", "interpret"):
-        return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
-                       interpret=impl == "interpret")
-    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+        return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend)
+    return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
+                   interpret=impl == "interpret", addend=addend)

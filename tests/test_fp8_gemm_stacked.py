@@ -175,3 +175,87 @@ def test_kernel_on_gpu_inside_scan(config):
     assert np.isfinite(np.asarray(out, np.float32)).all(), seed
     for layer in range(layers):
         assert _rel_err(out[layer], _exact(x8, w8, layer, scale)) < 4e-3, (seed, layer)
+
+
+def test_addend_epilogue_in_interpreter_inside_scan():
+    """The epilogue addend (TMA load of the addend's sub-tile into the output buffer, f32
+    add, one rounding) under the Mosaic GPU interpreter: a lax.scan over 3 layers with
+    distinct weights and distinct addends, two persistent blocks that each take several
+    tiles (M = 136: two M tiles, the second partly out of bounds; N = 512: two N tiles)."""
+    seed = _seed()
+    m, n, k, layers = 136, 512, 256, 3
+    x8, w8, scale = _operands(seed, m, n, k, layers)
+    add = jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
+
+    @jax.jit
+    def run(x8, w8, scale, add):
+        def body(carry, layer):
+            a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False).astype(jnp.bfloat16)
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="interpret", addend=a)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, scale, add)
+    assert out.shape == (layers, m, n) and out.dtype == jnp.bfloat16
+    for layer in range(layers):
+        a = np.asarray(add[layer].astype(jnp.bfloat16), np.float64)
+        ref = _exact(x8, w8, layer, scale) + a
+        assert np.isfinite(np.asarray(out[layer], np.float32)).all()
+        assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
+        # Not the product alone, not another layer's addend.
+        assert _rel_err(out[layer], _exact(x8, w8, layer, scale)) > 0.1
+        other = np.asarray(add[(layer + 1) % layers].astype(jnp.bfloat16), np.float64)
+        assert _rel_err(out[layer], _exact(x8, w8, layer, scale) + other) > 0.1
+        # The reference path: same result, f32 addend.
+        same = st.reference(x8, w8, jnp.int32(layer), scale, addend=add[layer].astype(jnp.bfloat16))
+        assert _rel_err(out[layer], np.asarray(same, np.float64)) < 4e-3
+
+
+def test_addend_shape_is_checked_and_lowers_for_cuda():
+    x8, w8, scale = _operands(_seed(), 40, 256, 128, 2)
+    with pytest.raises(ValueError, match="addend"):
+        st.stacked_fp8_matmul(x8, w8, 0, scale, addend=jnp.zeros((40, 128), jnp.bfloat16))
+    args = (jax.ShapeDtypeStruct((757, 256), FP8), jax.ShapeDtypeStruct((4, 512, 256), FP8),
+            jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((757, 512), jnp.float32))
+    text = jax.jit(lambda x, w, s, a: st.stacked_fp8_matmul(x, w, 1, s, impl="pallas", addend=a)
+                   ).trace(*args).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+    call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    assert len(call) == 1
+    operands = call[0].rsplit(":", 1)[-1].split("->")[0]
+    assert "tensor<760x512xbf16>" in operands  # the addend, read as the output dtype, 760 rows
+    assert "tensor<4x512x256xf8E4M3FN>" in operands
+
+
+@pytest.mark.gpu
+def test_addend_epilogue_on_gpu_inside_scan():
+    """The addend epilogue on the hardware (one GPU, no peers): isolates it from the fused
+    kernel's multi-GPU protocol.  M = 757, 4 layers, distinct weights and addends, tiles
+    reused by each block (16 x 3 output tiles on 8 persistent blocks)."""
+    if not st.is_supported():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+    seed = _seed()
+    m, n, k, layers = 757, 2048, 1024, 4
+    x8, w8, scale = _operands(seed, m, n, k, layers)
+    add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
+           ).astype(jnp.bfloat16)
+    jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+    config = st.DEFAULT_CONFIG
+    from pallas_kernels import fp8_gemm_allreduce as fa
+
+    @jax.jit
+    def run(x8, w8, scale, add):
+        def body(carry, layer):
+            a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
+            m8 = -(-m // 8) * 8
+            xp = jnp.pad(x8, ((0, m8 - m), (0, 0)))
+            ap = jnp.pad(a, ((0, m8 - m), (0, 0)))
+            tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
+            y, _ = fa._kernel(xp, w8, tile, ap, axis_name=None, tp=1, out_dtype=jnp.bfloat16,
+                              config=config, layer=jnp.reshape(layer, (1,)), num_sms=8)
+            return carry, y[:m]
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, scale, add)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), seed
+    for layer in range(layers):
+        ref = _exact(x8, w8, layer, scale) + np.asarray(add[layer], np.float64)
+        assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)

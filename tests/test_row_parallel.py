@@ -5,12 +5,14 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from characters_jax.parallel import row_parallel
 from characters_jax.parallel.fp8_linear import quantize_weight
@@ -106,3 +108,150 @@ def test_ppermute_uses_collective_permute_not_all_reduce():
     hlo = f.lower(xs[0], ws[0]).compile().as_text()
     assert "collective-permute" in hlo and "all-gather" in hlo
     assert "all-reduce(" not in hlo
+
+
+# ----------------------------------------------------------------------------------------
+# Stacked FP8 weights (Fp8Weight.layer): read in place by the kernels, never sliced.
+
+def _stacked_problem(seed, tp, m=29, ks=(16, 40), n=32, layers=3):
+    """Per pair: x [m, k*tp] bf16 and an FP8 weight stack [layers, n, k*tp] (per-layer
+    per-tensor scales); returns (xs, stacks, float reference per layer [layers, m, n])."""
+    from characters_jax.parallel.fp8_linear import Fp8Weight
+
+    keys = jax.random.split(jax.random.key(seed), 2 * len(ks))
+    xs, stacks = [], []
+    ref = np.zeros((layers, m, n))
+    for i, k in enumerate(ks):
+        x = jax.random.normal(keys[2 * i], (m, k * tp), jnp.float32).astype(jnp.bfloat16)
+        per = [quantize_weight(jax.random.normal(jax.random.fold_in(keys[2 * i + 1], l),
+                                                 (n, k * tp)) / np.sqrt(k * tp))
+               for l in range(layers)]
+        stack = Fp8Weight(values=jnp.stack([w.values for w in per]),
+                          scale=jnp.stack([w.scale for w in per]))
+        xs.append(x)
+        stacks.append(stack)
+        for l in range(layers):
+            ref[l] += np.asarray(x, np.float64) @ np.asarray(per[l].dequantize(), np.float64).T
+    return xs, stacks, ref
+
+
+def _run_layers(mesh, xs, stacks, method, stacked):
+    """The two-pair reduction for every layer in a lax.scan; weights stacked (layer=) or
+    sliced by the scan.  Returns [layers, m, n]."""
+    from characters_jax.parallel.fp8_linear import Fp8Weight
+
+    layers = stacks[0].values.shape[0]
+    wspec = Fp8Weight(values=P(None, None, "tp"), scale=P())
+
+    def body(xs, stacks):
+        def step(c, l):
+            if stacked:
+                ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l) for s in stacks]
+            else:
+                ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l).at_layer() for s in stacks]
+            return c, row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method)
+        return lax.scan(step, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([P(None, "tp")] * len(xs),
+                                                          [wspec] * len(stacks)),
+                              out_specs=P(), check_vma=False))
+    return f(xs, stacks)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("method", ["psum", "pallas", "ppermute"])
+def test_stacked_weights_give_the_sliced_result(tp, method):
+    """Stacked weights (read in place where the kernels run; on CPU the references) give the
+    same numbers as the per-layer slices, for every method ('pallas' runs its XLA fallback
+    on CPU), and match float math."""
+    mesh = _mesh(tp)
+    seed = np.random.SeedSequence().entropy % 2**31
+    xs, stacks, ref = _stacked_problem(seed, tp)
+    out = _run_layers(mesh, xs, stacks, method, stacked=True)
+    sliced = _run_layers(mesh, xs, stacks, method, stacked=False)
+    assert out.shape == ref.shape and out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(sliced, np.float32))
+    for l in range(ref.shape[0]):
+        assert _rel_err(out[l], ref[l]) < 6e-2, (seed, l)
+
+
+_F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
+
+
+def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=512, layers=4):
+    """StableHLO (CUDA) of the two-pair reduction in a scan over stacked weights, with the
+    Pallas kernels switched on as on a Hopper GPU."""
+    from characters_jax.parallel.fp8_linear import Fp8Weight
+    from pallas_kernels import fp8_gemm_allreduce, fp8_gemm_stacked
+
+    monkeypatch.setattr(fp8_gemm_allreduce, "is_supported", lambda: True)
+    monkeypatch.setattr(fp8_gemm_stacked, "is_supported", lambda: True)
+    mesh = _mesh(tp)
+    xsh = NamedSharding(mesh, P(None, "tp"))
+    wsh = NamedSharding(mesh, P(None, None, "tp"))
+    rep = NamedSharding(mesh, P())
+    xs = [jax.ShapeDtypeStruct((m, k * tp), jnp.bfloat16, sharding=xsh) for k in (ko, kd)]
+    stacks = [Fp8Weight(values=jax.ShapeDtypeStruct((layers, n, k * tp), jnp.float8_e4m3fn,
+                                                    sharding=wsh),
+                        scale=jax.ShapeDtypeStruct((layers,), jnp.float32, sharding=rep))
+              for k in (ko, kd)]
+    wspec = Fp8Weight(values=P(None, None, "tp"), scale=P())
+
+    def body(xs, stacks):
+        def step(c, l):
+            ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l) for s in stacks]
+            y = row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method)
+            return c + y[0, 0].astype(jnp.float32), None
+        return lax.scan(step, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([P(None, "tp")] * 2, [wspec] * 2),
+                              out_specs=P(), check_vma=False))
+    return f.trace(xs, stacks).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+
+
+def _calls(text):
+    return [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+
+
+def _no_weight_slices(text):
+    ops = ("stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.gather", "stablehlo.copy")
+    return [ln for ln in text.splitlines()
+            if any(op in ln for op in ops) and _F8_3D.search(ln.split(":", 1)[-1])] == []
+
+
+def test_stacked_psum_path_chains_the_products_through_the_addend(monkeypatch):
+    """'psum' with stacked weights on Hopper: attention-out's GEMM writes bf16, which the
+    MLP-down GEMM reads as its epilogue addend and writes the bf16 partial that psum
+    reduces: no float32 [M, N] output, no XLA add; x padded to 760 rows (not 768); both
+    stacks handed whole to the kernels."""
+    text = _lower_block_for_cuda(monkeypatch, "psum")
+    calls = _calls(text)
+    assert len(calls) == 2
+    sigs = [ln.rsplit(":", 1)[-1] for ln in calls]
+    ins = [s.split("->")[0] for s in sigs]
+    outs = [s.split("->")[1] for s in sigs]
+    assert "tensor<4x512x128xf8E4M3FN>" in ins[0] and "tensor<760x128xf8E4M3FN>" in ins[0]
+    assert "tensor<4x512x256xf8E4M3FN>" in ins[1] and "tensor<760x256xf8E4M3FN>" in ins[1]
+    assert "tensor<760x512xbf16>" in outs[0]
+    assert "tensor<760x512xbf16>" in ins[1]  # the first product, as the second's addend
+    assert "tensor<760x512xbf16>" in outs[1]
+    assert "x512xf32>" not in " ".join(outs)
+    assert re.search(r"all_reduce.*tensor<760x512xbf16>", text, re.S)
+    assert _no_weight_slices(text)
+
+
+def test_stacked_pallas_path_reads_the_stack_in_place(monkeypatch):
+    """'pallas' with stacked weights: the attention-out product comes from the stacked
+    kernel in bf16 and enters the fused GEMM + all-reduce kernel as its addend; the fused
+    kernel takes the whole down stack and the layer (no weight slice)."""
+    text = _lower_block_for_cuda(monkeypatch, "pallas")
+    calls = _calls(text)
+    assert len(calls) == 2
+    sigs = [ln.rsplit(":", 1)[-1] for ln in calls]
+    assert "tensor<4x512x128xf8E4M3FN>" in sigs[0].split("->")[0]
+    fused_in, fused_out = sigs[1].split("->")
+    assert "tensor<4x512x256xf8E4M3FN>" in fused_in and "tensor<1xi32>" in fused_in
+    assert "tensor<768x512xbf16>" in fused_in  # the addend
+    assert "tensor<1x768x512xbf16>" in fused_out  # the receive buffer
+    assert "all_reduce" not in text
+    assert _no_weight_slices(text)

@@ -202,8 +202,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
     return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)
 
 
-def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
-    """x [..., K] @ (block `w.layer` of the stack).T, the weight read in place."""
+def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.Array:
+    """x [..., K] @ (block `w.layer` of the stack).T (+ addend [..., N]), the weight read in place."""
     from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
 
     if w.per_channel:
@@ -211,8 +211,33 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
     x_fp8, x_scale = quantize_activation(x)
     w_scale = jax.lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
-    y = stacked_fp8_matmul(x_fp8.reshape(-1, x.shape[-1]), w.values, w.layer, x_scale * w_scale, out_dtype=gemm_dtype)
+    if addend is not None:
+        addend = addend.reshape(-1, addend.shape[-1])
+    y = stacked_fp8_matmul(x_fp8.reshape(-1, x.shape[-1]), w.values, w.layer, x_scale * w_scale,
+                           out_dtype=gemm_dtype, addend=addend)
     return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
+
+
+def stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype=None, addend=None) -> jax.Array:
+    """x [..., K] @ w.T + addend for a stacked per-tensor ``Fp8Weight`` (``w.layer`` set).
+
+    The block's weight is read in place from the stack (``pallas_kernels.fp8_gemm_stacked``;
+    its reference elsewhere) and ``addend`` ([..., N], optional) is added to the float32
+    product before the one rounding to ``out_dtype`` (default x.dtype): in the kernel's
+    epilogue, which reads it in the GEMM's output dtype (bf16 for bf16 out, else f32).
+    """
+    if not w.stacked:
+        raise ValueError("stacked_linear takes a stacked Fp8Weight (layer set)")
+    return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend)
+
+
+def stacked_gemm_runs_kernel(w: Fp8Weight) -> bool:
+    """Whether ``stacked_linear`` with this (stacked) weight runs the Pallas kernel here."""
+    from pallas_kernels import fp8_gemm_stacked
+
+    n, k = w.values.shape[-2:]
+    return (w.values.dtype == FP8_DTYPE and fp8_gemm_stacked.fits(n, k)
+            and fp8_gemm_stacked.is_supported())
 
 
 def flops(m: int, k: int, n: int) -> int:

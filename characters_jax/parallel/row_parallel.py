@@ -22,6 +22,11 @@ Methods (the ``method`` argument):
   'pallas'    the fused FP8 GEMM + all-reduce Pallas Mosaic GPU kernel
               (``pallas_kernels.fp8_gemm_allreduce``), NVIDIA Hopper only; output
               tiles are pushed to the peers as they finish while later tiles compute.
+              Stacked weights (``Fp8Weight.layer``) are read in place by the kernel.
+
+Stacked FP8 weights on the 'psum' path: the products are chained through the stacked
+GEMM's epilogue addend (``stacked_partial``) and, where the Pallas kernel runs, x is padded
+to a multiple of 8 rows (the kernel's TMA tiling; 757 -> 760), not 16.
   'auto'      the best measured method for the backend (see ``resolve_method``).
 """
 
@@ -33,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from characters_jax.parallel.fp8_linear import Fp8Weight, fp8_dot, linear, quantize_activation
+from characters_jax.parallel.fp8_linear import (
+    Fp8Weight, fp8_dot, linear, quantize_activation, stacked_gemm_runs_kernel, stacked_linear)
 
 METHODS = ("psum", "ppermute", "pallas", "auto")
 # 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
@@ -42,6 +48,9 @@ AUTO_FUSED_MAX_PAIRS = 1
 # the psum path pads once, reduces the padded rows and slices after the reduction,
 # where the slice fuses into the consumer instead of costing a copy before the psum.
 ROW_ALIGN = 16
+# The stacked Pallas GEMM needs only a multiple of 8 rows (its TMA tiling): 757 -> 760
+# (used where that kernel runs; the reference path keeps ROW_ALIGN).
+STACKED_ROW_ALIGN = 8
 
 
 def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
@@ -65,9 +74,10 @@ def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
 
     if not fp8_gemm_allreduce.is_supported():
         return "psum"
-    # The fused pair is the one with the largest K (see _pallas_matmul_reduce).
+    # The fused pair is the one with the largest K (see _pallas_matmul_reduce); stacked
+    # weights are read in place by the kernel (``layer``).
     x, w = max(pairs, key=lambda p: p[0].shape[1])
-    if not all(isinstance(pw, Fp8Weight) and not pw.per_channel and not pw.stacked for _, pw in pairs):
+    if not all(isinstance(pw, Fp8Weight) and not pw.per_channel for _, pw in pairs):
         return "psum"
     if fp8_gemm_allreduce.fits(x.shape[1], w.shape[0]):
         return "pallas"
@@ -113,13 +123,48 @@ def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype) -> jax.A
     return acc.astype(out_dtype)
 
 
+def _all_stacked(pairs) -> bool:
+    return all(isinstance(w, Fp8Weight) and w.stacked and not w.per_channel for _, w in pairs)
+
+
+def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype) -> jax.Array:
+    """Sum over pairs of x @ w.T for stacked per-tensor FP8 weights: [M, N] out_dtype.
+
+    The products are chained through the GEMM's epilogue addend, smallest K first: each
+    product is written once, in the dtype the next GEMM reads as its addend, and the last
+    one in out_dtype.  With the stacked Pallas kernel that dtype is out_dtype (bf16 for the
+    model: one bf16 [M, N] write and read instead of two f32 outputs, an XLA add and a
+    convert); on the reference path it is float32, so the sum is rounded once, as in
+    ``local_partial``.
+    """
+    order = sorted(pairs, key=lambda p: p[0].shape[1])
+    acc = None
+    for i, (x, w) in enumerate(order):
+        last = i == len(order) - 1
+        if last:
+            dtype = out_dtype
+        else:
+            _, w_next = order[i + 1]
+            dtype = out_dtype if stacked_gemm_runs_kernel(w_next) else jnp.float32
+        acc = stacked_linear(x, w, out_dtype=dtype, addend=acc)
+    return acc
+
+
 def _psum_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
     m = pairs[0][0].shape[0]
-    mp = -(-m // ROW_ALIGN) * ROW_ALIGN
-    if mp != m and any(isinstance(w, Fp8Weight) for _, w in pairs):
+    stacked = _all_stacked(pairs)
+    # 8 rows for the stacked kernel; elsewhere 16 (XLA's FP8 GEMM; the reference path keeps
+    # the row count, and with it the float rounding, of the sliced path).
+    kernel = stacked and all(stacked_gemm_runs_kernel(w) for _, w in pairs)
+    align = STACKED_ROW_ALIGN if kernel else ROW_ALIGN
+    mp = -(-m // align) * align
+    if any(isinstance(w, Fp8Weight) for _, w in pairs):
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
-        return lax.psum(local_partial(pairs, out_dtype), axis_name)[:m]
-    return lax.psum(local_partial(pairs, out_dtype), axis_name)
+    else:
+        mp = m
+    partial = stacked_partial(pairs, out_dtype) if stacked else local_partial(pairs, out_dtype)
+    out = lax.psum(partial, axis_name)
+    return out[:m] if mp != m else out
 
 
 def _ring_all_reduce_rows(chunk_partial, m: int, tp: int, axis_name: str) -> jax.Array:
@@ -181,14 +226,26 @@ def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
 def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
     from pallas_kernels import fp8_gemm_allreduce
 
-    # The fused kernel runs the pair with the largest K; the others are computed
-    # by XLA and enter the kernel's epilogue as an addend.
+    # The fused kernel runs the pair with the largest K; the others are computed first
+    # (XLA, or the stacked kernel for stacked weights) and enter the kernel's epilogue as an
+    # addend in out_dtype.  Stacked weights are read in place (``layer``), never sliced.
     order = sorted(range(len(pairs)), key=lambda i: pairs[i][0].shape[1])
     x, w = pairs[order[-1]]
     rest = [pairs[i] for i in order[:-1]]
-    addend = local_partial(rest, out_dtype) if rest else None
+    if not rest:
+        addend = None
+    elif _all_stacked(rest):
+        addend = stacked_partial(rest, out_dtype)
+    elif len(rest) == 1:
+        addend = linear(*rest[0], out_dtype=out_dtype)  # f32 inside, one rounding
+    else:
+        addend = local_partial(rest, out_dtype)
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
+    if w.stacked:
+        scale = lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
+        return fp8_gemm_allreduce.gemm_allreduce(x, w.values, scale, layer=w.layer, addend=addend,
+                                                 axis_name=axis_name, out_dtype=out_dtype)
     return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.scale, addend=addend,
                                              axis_name=axis_name, out_dtype=out_dtype)
 
@@ -214,9 +271,9 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     method = resolve_method(method, jax.default_backend(), pairs)
     if method == "psum":
         return _psum_matmul_reduce(pairs, axis_name, out_dtype)
-    # The ring and the fused kernel take one [N, K] weight: slice stacked weights out.
-    pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
     if method == "ppermute":
+        # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
+        pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
         return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
     return _pallas_matmul_reduce(pairs, axis_name, out_dtype)
 
