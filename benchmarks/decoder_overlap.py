@@ -52,6 +52,13 @@ def _wait_for(path: pathlib.Path, timeout_s: float, proc=None) -> str:
     return path.read_text()
 
 
+def _put(path: pathlib.Path, text: str) -> None:
+    """Writes a signal file atomically (the other process polls for its existence)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {}
@@ -79,7 +86,7 @@ def worker(args) -> int:
     for i in range(4):  # compile + warm up
         frames, state = vae.decode(state, latents[i % 4])
     frames.block_until_ready()
-    (d / "ready").write_text(str(dev))
+    _put(d / "ready", str(dev))
 
     def decode_one(i):
         nonlocal state
@@ -90,7 +97,7 @@ def worker(args) -> int:
 
     _wait_for(d / "alone", 3600)
     lat = [decode_one(i) for i in range(args.chunks)]
-    (d / "done.alone").write_text(json.dumps({"latency_ms": _stats(lat)}))
+    _put(d / "done.alone", json.dumps({"latency_ms": _stats(lat)}))
 
     for phase in PHASES[1:]:
         period_ms = float(_wait_for(d / f"go.{phase}", 3600))
@@ -106,7 +113,7 @@ def worker(args) -> int:
                 t_next += period_ms / 1e3
             lat.append(decode_one(i))
             i += 1
-        (d / f"done.{phase}").write_text(json.dumps({"latency_ms": _stats(lat), "chunks": i, "late_starts": late, "period_ms": period_ms}))
+        _put(d / f"done.{phase}", json.dumps({"latency_ms": _stats(lat), "chunks": i, "late_starts": late, "period_ms": period_ms}))
     return 0
 
 
@@ -183,15 +190,15 @@ def _drive(a, d: pathlib.Path, proc) -> dict:
 
     steps(a.warmup)
     worker_device = _wait_for(d / "ready", 900, proc)
-    (d / "alone").write_text("")
+    _put(d / "alone", "")
     dec = {"alone": json.loads(_wait_for(d / "done.alone", 600, proc))}
     step = {"alone": _stats(steps(a.steps))}
     period = step["alone"]["p50"]
     for phase, per in (("paced", period), ("back_to_back", 0.0)):
-        (d / f"go.{phase}").write_text(str(per))
+        _put(d / f"go.{phase}", str(per))
         time.sleep(0.05 + 2 * per / 1e3)  # let the decoder reach its steady rhythm
         step[phase] = _stats(steps(a.steps))
-        (d / f"stop.{phase}").write_text("")
+        _put(d / f"stop.{phase}", "")
         dec[phase] = json.loads(_wait_for(d / f"done.{phase}", 600, proc))
     return {
         "config": cfg.name,

@@ -18,7 +18,7 @@
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 # Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all four),
-# EXTRAS (1; 0 skips the block reference and the decoder), CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
+# EXTRAS ("block decoder overlap": the block reference, the decoder alone, the decoder sharing GPU 1; 0: none), CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
 # ATTN_CUDNN (cudnn), ATTN_FP8 (pallas), REDUCE_FUSED (pallas): the impls of the variants.
 # CPU smoke test: CONFIG=tiny BLOCK_ARGS=--dry-run ATTN_CUDNN=xla ATTN_FP8=reference REDUCE_FUSED=ppermute \
 #   XLA_FLAGS=--xla_force_host_platform_device_count=2 bash benchmarks/gpu_issue6.sh
@@ -87,11 +87,17 @@ for v in $VARIANTS; do
     --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp2_$v.json"
 done
 
-if [ "${EXTRAS:-1}" = 1 ]; then  # EXTRAS=0: the step variants and the plot only
-guarded block_reference 150 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" --torch-timeout 80 $BLOCK_ARGS
-guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device 1 --chunks 20 --json "$OUT/decoder_timing.json"
-guarded decoder_overlap 150 python3 benchmarks/decoder_overlap.py --config "$CONFIG" --tp 2 --decoder-device 1 --json "$OUT/decoder_overlap.json"
-fi
+EXTRAS=${EXTRAS:-"block decoder overlap"}
+[ "$EXTRAS" = 1 ] && EXTRAS="block decoder overlap"
+for x in $EXTRAS; do
+  case $x in
+    block)   guarded block_reference 150 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" --torch-timeout 80 $BLOCK_ARGS ;;
+    decoder) guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device 1 --chunks 20 --json "$OUT/decoder_timing.json" ;;
+    overlap) guarded decoder_overlap 150 python3 benchmarks/decoder_overlap.py --config "$CONFIG" --tp 2 --decoder-device 1 --json "$OUT/decoder_overlap.json" ;;
+    0) ;;
+    *) echo "unknown extra $x" ;;
+  esac
+done
 guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp2_*.json --out "$OUT/breakdown.png"
 
 # Logs, the per-variant breakdown.json and HLO text (the raw traces stay behind: too large).

@@ -43,7 +43,7 @@ from characters_jax.parallel.fp8_linear import (
 
 METHODS = ("psum", "ppermute", "pallas", "auto")
 # 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
-AUTO_FUSED_MAX_PAIRS = 1
+AUTO_FUSED_MAX_PAIRS = 2
 # FP8 GEMMs want M a multiple of 16 (XLA pads x and slices the output otherwise);
 # the psum path pads once, reduces the padded rows and slices after the reduction,
 # where the slice fuses into the consumer instead of costing a copy before the psum.
@@ -60,8 +60,9 @@ def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
     FP8 pairs with per-tensor scales and tileable shapes on NVIDIA Hopper, where a
     single pair measured faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM +
     all-reduce (issue 5)"); 'psum' everywhere else.  The model's two-pair call
-    (attention-out + MLP-down) stays on 'psum' (AUTO_FUSED_MAX_PAIRS = 1) until
-    the kernel's addend path has been timed on the GPU.
+    (attention-out as the addend of MLP-down) is included: with the entry handshake
+    its numerics equal FP8 GEMMs + psum (numerics GPU run 3), and the block's o + down
+    took 358 us against 402 us for stacked GEMMs + psum (H200 x 2; BUILD_NOTES.md).
     """
     if method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
