@@ -31,6 +31,7 @@ from characters_jax.model.rope import apply_rope, rope_frequencies
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import attention
+from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +295,8 @@ class Engine:
         """
         layout = self.layout
         del params
+        impl = resolve_attention(self.options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, self.cfg.model.head_dim)
+        whole = layout.mode == "ring" and self.options.kv_in_place and impl == "pallas"
 
         def one_step(_, carry):
             state, checksum = carry
@@ -304,9 +307,9 @@ class Engine:
                 cache, checksum = c
                 kv = new_kv[layer].astype(jnp.float32)
                 cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
-                # As the step: the ring cache's stacks go to attention whole (read in place),
-                # otherwise the layer's K/V are materialized (launch: re-rotated/quantized).
-                whole = layout.mode == "ring" and self.options.kv_in_place
+                # As the step: the ring cache's stacks go whole to an attention that reads the
+                # layer in place (the Pallas kernel); otherwise the layer's K/V are materialized
+                # (a slice for cuDNN/XLA/reference; launch: re-rotated and re-quantized).
                 k, v, _, _ = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs, whole_stack=whole)
                 # Materialize what attention reads, and consume it so it is not dead code.
                 k, v, cache = jax.lax.optimization_barrier((k, v, cache))

@@ -43,7 +43,6 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 _TINY = 1e-12  # keeps the scale of an all-zero tensor finite
-DEQUANT_ROW_ALIGN = 16  # rows of the 'dequant' form's GEMM (XLA's FP8 rewrite needs M % 16 == 0)
 SCALE_MODES = ("dequant", "post")
 SCALE_MODE = os.environ.get("CHARACTERS_FP8_SCALE", "post")
 
@@ -196,13 +195,8 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
     if mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {mode!r}; expected one of {SCALE_MODES}")
     if mode == "dequant" and not w.per_channel:
-        # XLA's FP8 rewrite wants M % 16 == 0; otherwise it computes a bf16 GEMM on a
-        # materialized bf16 weight. Zero rows do not change the activation's amax.
-        x2 = x.reshape(-1, x.shape[-1])
-        m = x2.shape[0]
-        x2 = jnp.pad(x2, ((0, -m % DEQUANT_ROW_ALIGN), (0, 0)))
-        x_fp8, a, b = quantize_for_dequant_dot(x2, w.scale)
-        return dequant_dot(x_fp8, a, w.values, b, out_dtype)[:m].reshape(*x.shape[:-1], -1)
+        x_fp8, a, b = quantize_for_dequant_dot(x, w.scale)
+        return dequant_dot(x_fp8, a, w.values, b, out_dtype)
     x_fp8, x_scale = quantize_activation(x)
     y = fp8_dot(x_fp8, w.values, accumulate_dtype or jnp.float32)
     return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)
