@@ -17,7 +17,7 @@
 # logs.tar.gz (logs, per-variant breakdown.json, HLO text).
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
-# Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all four),
+# Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all six; VARIANTS="" runs none: extras only),
 # EXTRAS ("block decoder overlap": the block reference, the decoder alone, the decoder sharing GPU 1; 0: none), CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
 # ATTN_CUDNN (cudnn), ATTN_FP8 (pallas), REDUCE_FUSED (pallas): the impls of the variants.
 # CPU smoke test: CONFIG=tiny BLOCK_ARGS=--dry-run ATTN_CUDNN=xla ATTN_FP8=reference REDUCE_FUSED=ppermute \
@@ -31,7 +31,7 @@ STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-3}
 PROFILE_STEPS=${PROFILE_STEPS:-3}
 DEADLINE_S=${DEADLINE_S:-530}
-VARIANTS=${VARIANTS:-"launch ring_cudnn ring_fp8 ring_kvslice ring_stacked ring_fused"}
+VARIANTS=${VARIANTS-"launch ring_cudnn ring_fp8 ring_kvslice ring_stacked ring_fused"}
 CONFIG=${CONFIG:-characters-57b}
 BLOCK_ARGS=${BLOCK_ARGS:-}
 ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
