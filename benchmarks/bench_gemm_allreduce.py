@@ -1,4 +1,4 @@
-"""FP8 GEMMs and row-parallel GEMM + all-reduce at characters-57b per-GPU shapes (tp=2).
+"""FP8 GEMMs and row-parallel GEMM + all-reduce at characters-57b per-GPU shapes (tp=2; --tp N).
 
 One run checks every variant against an f32 reference on fresh random inputs
 (outputs land in memory first filled with NaN, so an unwritten element shows),
@@ -16,7 +16,7 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
                                in-model cost when they fuse into the neighbours)
     torch_scaled_mm            ``torch._scaled_mm`` (cuBLASLt), in the same run
     The summary gives pallas / torch (issue 5's target: within 10%).
-  Row-parallel (o, down; K sharded over 2 GPUs):
+  Row-parallel (o, down; K sharded over the --tp GPUs, 2 by default):
     allreduce_psum             ``lax.psum`` of the bf16 [M, N] output (NCCL)
     gemm+psum                  the two in sequence ('psum' method)
     fused_pallas               the fused Pallas GEMM + all-reduce (default Config: entry
@@ -38,7 +38,7 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
 
 hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce.
 
-Run (2 GPUs):
+Run (2 GPUs; `--tp 3` / `--tp 4` on a 4-GPU machine, the shapes per GPU follow):
   PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_gemm_allreduce.py --out $OUT
 CPU smoke run (small shapes, 2 CPU devices, the Pallas GEMM under the Mosaic GPU
 interpreter, the fused variants on their XLA fallback):
@@ -67,13 +67,20 @@ M = 757
 M_PAD8 = 760  # the Pallas kernel's row count (TMA tiling: a multiple of 8)
 D = 9216
 D_BLOCK = D  # N of the block variants (the model width)
-# name: (K, N, row_parallel)
-SHAPES = {
-    "o": (4608, D, True),  # attention-out, K = 72 * 128 / 2
-    "down": (16128, D, True),  # MLP-down, K = 32256 / 2
-    "qkv": (D, 13824, False),  # column-parallel: 3 * 9216 / 2
-    "up": (D, 16128, False),  # column-parallel: 32256 / 2
-}
+TP = 2  # GPUs of the row-parallel variants (--tp)
+
+
+def per_gpu_shapes(tp: int) -> dict[str, tuple[int, int, bool]]:
+    """name: (K, N, row_parallel) of one GPU's share of each characters-57b projection."""
+    return {
+        "o": (9216 // tp, D, True),  # attention-out, K = 72 * 128 / tp
+        "down": (32256 // tp, D, True),  # MLP-down, K = 32256 / tp
+        "qkv": (D, 27648 // tp, False),  # column-parallel: 3 * 9216 / tp
+        "up": (D, 32256 // tp, False),  # column-parallel: 32256 / tp
+    }
+
+
+SHAPES = per_gpu_shapes(TP)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -103,7 +110,7 @@ def _torch_worker(rank, world, out_path, reps):
             ts.append(a.elapsed_time(b) * 1e3 / n)
         return statistics.median(ts)
 
-    for name, (k, n, row) in SHAPES.items():
+    for name, (k, n, row) in per_gpu_shapes(world).items():
         x = torch.randn(M, k, device=dev).to(torch.float8_e4m3fn)
         w = (torch.randn(n, k, device=dev)).to(torch.float8_e4m3fn)
         sa = torch.tensor(0.01, device=dev)
@@ -141,12 +148,12 @@ def run_torch(out_dir, reps):
         import torch.multiprocessing as tmp
     except ImportError:
         return {"torch": {"error": "torch not installed"}}
-    if torch.cuda.device_count() < 2:
-        return {"torch": {"error": "needs 2 GPUs"}}
+    if torch.cuda.device_count() < TP:
+        return {"torch": {"error": f"needs {TP} GPUs"}}
     import tempfile
 
     path = os.path.join(tempfile.mkdtemp(), "torch_raw.json")  # not under --out
-    tmp.spawn(_torch_worker, args=(2, path, reps), nprocs=2, join=True)
+    tmp.spawn(_torch_worker, args=(TP, path, reps), nprocs=TP, join=True)
     with open(path) as f:
         return json.load(f)
 
@@ -179,7 +186,7 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
     from pallas_kernels import fp8_gemm_stacked as stk
 
     devs = jax.devices()
-    tp = 2
+    tp = TP
     mesh = Mesh(np.array(devs[:tp]), ("tp",))
     res = {}
     CONFIGS = _configs(full)
@@ -437,12 +444,13 @@ def table(res):
 
 
 def main():
-    global M, D_BLOCK
+    global M, D_BLOCK, TP
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--tp", type=int, default=2, help="GPUs of the row-parallel variants (shapes per GPU follow)")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--full", action="store_true", help="also the secondary variants")
     ap.add_argument("--smoke", action="store_true",
@@ -450,6 +458,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=None,
                     help="skip the remaining JAX variants after this many seconds")
     args = ap.parse_args()
+    TP = args.tp
+    SHAPES.update(per_gpu_shapes(TP))
     if args.smoke:
         M, D_BLOCK = 37, 256
         SHAPES.update({"o": (128, 256, True), "down": (256, 256, True),

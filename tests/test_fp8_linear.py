@@ -128,3 +128,24 @@ def test_fp8_gemm_keeps_the_weight_fp8_on_gpu(m):
             assert not materialized.search(compiled), f"{where}: weight dequantized\n{compiled}"
             assert f"f8e4m3fn[{n},{k}]" in compiled, f"{where}: no FP8 weight\n{compiled}"
             assert "__cublas$lt$matmul$f8" in compiled or "gemm_fusion" in compiled, f"{where}: no GEMM\n{compiled}"
+
+
+def test_stacked_shape_that_does_not_tile_uses_xla_fp8_gemm_on_gpu(monkeypatch):
+    """Where the stacked kernel runs (patched here) but a shape does not tile (N % 256 != 0,
+    as the MLP-up projection at tp=4: N = 8064), the stacked form is XLA's FP8 GEMM on the
+    sliced layer ('post'), not the float32 reference."""
+    from characters_jax.parallel import fp8_linear as fl
+    from pallas_kernels import fp8_gemm_stacked
+
+    monkeypatch.setattr(fp8_gemm_stacked, "is_supported", lambda: True)
+    x, w = _inputs(3, m=37, k=256, n=200)
+    layers = [quantize_weight(w * (1 + i)) for i in range(3)]
+    stack = Fp8Weight(values=jnp.stack([l.values for l in layers]), scale=jnp.stack([l.scale for l in layers]),
+                      layer=jnp.int32(2))
+    assert not fl.stacked_gemm_runs_kernel(stack)
+    got = fl.stacked_linear(x, stack, jnp.float32)
+    want = linear(x, layers[2], jnp.float32, scale_mode="post")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    add = jnp.ones((37, 200), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fl.stacked_linear(x, stack, jnp.float32, addend=add)),
+                                  np.asarray(want + add))

@@ -204,10 +204,18 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
 
 def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.Array:
     """x [..., K] @ (block `w.layer` of the stack).T (+ addend [..., N]), the weight read in place."""
+    from pallas_kernels import fp8_gemm_stacked
     from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
 
     if w.per_channel:
         raise ValueError("the stacked FP8 GEMM takes per-tensor scales")
+    if fp8_gemm_stacked.is_supported() and not stacked_gemm_runs_kernel(w):
+        # A GPU where the kernel runs but this shape does not tile (e.g. N = 8064 at tp=4):
+        # XLA's FP8 GEMM on the sliced layer, not the float32 reference.
+        y = linear(x, w.at_layer(), jnp.float32, scale_mode="post")
+        if addend is not None:
+            y = y + addend.astype(jnp.float32)
+        return y.astype(out_dtype)
     x_fp8, x_scale = quantize_activation(x)
     w_scale = jax.lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
