@@ -18,6 +18,7 @@
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 # Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all six; VARIANTS="" runs none: extras only),
+# TP (2), DECODER_GPU (1: the decoder's GPU for the decoder extras),
 # EXTRAS ("block decoder overlap": the block reference, the decoder alone, the decoder sharing GPU 1; 0: none), CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
 # ATTN_CUDNN (cudnn), ATTN_FP8 (pallas), REDUCE_FUSED (pallas): the impls of the variants.
 # CPU smoke test: CONFIG=tiny BLOCK_ARGS=--dry-run ATTN_CUDNN=xla ATTN_FP8=reference REDUCE_FUSED=ppermute \
@@ -33,6 +34,8 @@ PROFILE_STEPS=${PROFILE_STEPS:-3}
 DEADLINE_S=${DEADLINE_S:-530}
 VARIANTS=${VARIANTS-"launch ring_cudnn ring_fp8 ring_kvslice ring_stacked ring_fused"}
 CONFIG=${CONFIG:-characters-57b}
+TP=${TP:-2}
+DECODER_GPU=${DECODER_GPU:-1}  # the decoder's GPU (with TP=2: shared with the generator)
 BLOCK_ARGS=${BLOCK_ARGS:-}
 ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
 ATTN_FP8=${ATTN_FP8:-pallas}
@@ -82,9 +85,9 @@ for v in $VARIANTS; do
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
-  guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp 2 "${opts[@]}" \
+  guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \
     --steps "$STEPS" --warmup "$WARMUP" --progress 10 --upkeep-steps-per-call 4 \
-    --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp2_$v.json"
+    --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp${TP}_$v.json"
 done
 
 EXTRAS=${EXTRAS:-"block decoder overlap"}
@@ -92,13 +95,13 @@ EXTRAS=${EXTRAS:-"block decoder overlap"}
 for x in $EXTRAS; do
   case $x in
     block)   guarded block_reference 150 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" --torch-timeout 80 $BLOCK_ARGS ;;
-    decoder) guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device 1 --chunks 20 --json "$OUT/decoder_timing.json" ;;
-    overlap) guarded decoder_overlap 150 python3 benchmarks/decoder_overlap.py --config "$CONFIG" --tp 2 --decoder-device 1 --json "$OUT/decoder_overlap.json" ;;
+    decoder) guarded decoder 110 python3 benchmarks/decoder_timing.py --config "$CONFIG" --device "$DECODER_GPU" --chunks 20 --json "$OUT/decoder_timing.json" ;;
+    overlap) guarded decoder_overlap 150 python3 benchmarks/decoder_overlap.py --config "$CONFIG" --tp "$TP" --decoder-device "$DECODER_GPU" --json "$OUT/decoder_overlap.json" ;;
     0) ;;
     *) echo "unknown extra $x" ;;
   esac
 done
-guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp2_*.json --out "$OUT/breakdown.png"
+guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp*_*.json --out "$OUT/breakdown.png"
 
 # Logs, the per-variant breakdown.json and HLO text (the raw traces stay behind: too large).
 ( cd "$LOGS" && find . -maxdepth 2 \( -name "*.log" -o -name "*.txt" -o -name "breakdown.json" \) -size -8M -print0 \
@@ -109,17 +112,17 @@ python3 - "$OUT" <<'EOF' || true
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 PEAK = 1979.0  # H200 dense FP8 TFLOP/s (datasheet)
-print("\n== issue 6 summary (tp=2)")
-print(f"{'variant':<11} {'p50 ms':>8} {'p99 ms':>8} {'reset ms':>9} {'fps':>6} {'TFLOP/s/GPU':>11} {'%FP8pk':>7} {'upkeep%':>8} | "
+print("\n== issue 6 summary")
+print(f"{'tp_variant':<15} {'p50 ms':>8} {'p99 ms':>8} {'reset ms':>9} {'fps':>6} {'TFLOP/s/GPU':>11} {'%FP8pk':>7} {'upkeep%':>8} | "
       f"{'upk':>6} {'attn':>6} {'gemm':>6} {'g+ar':>6} {'coll':>6} {'other':>6} {'busy':>6} {'gap':>6}")
-for p in sorted(out.glob("step57b_tp2_*.json")):
+for p in sorted(out.glob("step57b_tp*_*.json")):
     r = json.loads(p.read_text())
     s, b = r["step_ms"], r.get("breakdown") or {}
     c = b.get("components_ms", {})
     reset = ",".join(f"{t:.0f}" for t in r.get("reset_step_ms", [])) or "-"
     comp = " ".join(f"{c.get(k, float('nan')):6.1f}" for k in ("cache_upkeep", "attention", "gemm", "gemm_allreduce", "collective", "other"))
     gap = b.get("launch_gap_ms")
-    print(f"{p.stem.replace('step57b_tp2_', ''):<11} {s['p50']:8.1f} {s['p99']:8.1f} {reset:>9} {r['fps']:6.1f} "
+    print(f"{p.stem.replace('step57b_', ''):<15} {s['p50']:8.1f} {s['p99']:8.1f} {reset:>9} {r['fps']:6.1f} "
           f"{r['effective_tflops_per_device']:11.0f} {100 * r['effective_tflops_per_device'] / PEAK:6.1f}% "
           f"{100 * r['cache_upkeep_share']:7.1f}% | {comp} {b.get('busy_ms', float('nan')):6.1f} {gap if gap is not None else float('nan'):6.1f}"
           + (f"  profile error: {b['error']}" if "error" in b else ""))
