@@ -47,6 +47,9 @@ from pallas_kernels import fp8_gemm_allreduce as _fa
 FP8 = jnp.float8_e4m3fn
 Config = _fa.Config
 DEFAULT_CONFIG = Config()  # tile 128 x (2 x 128) x 128, 3 stages: the measured tp=1 path
+# For N a multiple of 128 but not of 256 (the MLP-up projection at tp=4: N = 8064): warpgroup
+# tiles 64 wide. Checked under the interpreter; not yet timed on a GPU.
+NARROW_CONFIG = Config(tile_n=64)
 IMPLS = ("auto", "pallas", "reference", "interpret")
 INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps tests fast)
 
@@ -56,9 +59,14 @@ def is_supported() -> bool:
     return _fa.is_supported()
 
 
-def fits(n: int, k: int, config: Config = DEFAULT_CONFIG) -> bool:
-    """Whether a [*, K] x [N, K] product tiles with ``config`` (any M)."""
-    return _fa.fits(k, n, config)
+def fits(n: int, k: int, config: Config | None = None) -> bool:
+    """Whether a [*, K] x [N, K] product tiles with ``config`` (default: ``pick_config``), any M."""
+    return _fa.fits(k, n, config or pick_config(n, k))
+
+
+def pick_config(n: int, k: int) -> Config:
+    """DEFAULT_CONFIG where N tiles by 256, else NARROW_CONFIG (N by 128)."""
+    return DEFAULT_CONFIG if _fa.fits(k, n, DEFAULT_CONFIG) else NARROW_CONFIG
 
 
 def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None):
@@ -83,7 +91,7 @@ def uses_kernel(x_fp8, w_stacked, impl="auto", config: Config | None = None) -> 
     if impl != "auto":
         return False
     n, k = w_stacked.shape[-2:]
-    return (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config or DEFAULT_CONFIG)
+    return (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config)
             and is_supported())
 
 
@@ -136,9 +144,9 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
-    config: the kernel's tiling (default ``DEFAULT_CONFIG``)."""
+    config: the kernel's tiling (default ``pick_config(N, K)``)."""
     _check(x_fp8, w_stacked, layer, scale, addend)
-    config = config or DEFAULT_CONFIG
+    config = config or pick_config(*w_stacked.shape[1:])
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":

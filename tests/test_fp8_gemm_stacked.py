@@ -98,6 +98,7 @@ def test_kernel_in_interpreter_inside_scan():
 @pytest.mark.parametrize("m,n,k,layers,layer,config", [
     (136, 512, 384, 4, 2, st.DEFAULT_CONFIG),  # two M tiles, the second partly out of bounds
     (70, 256, 256, 3, 9, st.Config(tile_m=64, stages=4)),  # out of range: clamped to L - 1
+    (40, 384, 256, 2, 1, None),  # N % 256 != 0: pick_config -> NARROW_CONFIG (tp=4 MLP-up)
 ])
 def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config):
     seed = _seed()
@@ -144,10 +145,12 @@ def test_kernel_lowers_for_cuda_without_weight_slice():
     assert _weight_slices(_lower_scan("reference"))
 
 
-@pytest.mark.parametrize("n,k", [(13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)])
+@pytest.mark.parametrize("n,k", [(13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128),
+                                 (8064, 9216), (9216, 10752)])
 def test_lowers_at_characters_57b_shapes(n, k):
     """qkv / out / up / down per GPU at tp = 2, 60 layers (the down stack is 8.9 GB: the
-    layer offset exceeds 32 bits); abstract shapes, nothing allocated."""
+    layer offset exceeds 32 bits), and tp = 4's MLP-up (N = 8064: the narrow tiles) and
+    tp = 3's MLP-down; abstract shapes, nothing allocated."""
     text = _lower_scan("pallas", m=757, n=n, k=k, layers=60)
     assert f"tensor<60x{n}x{k}xf8E4M3FN>" in text and "mosaic_gpu" in text
     assert _weight_slices(text) == []
