@@ -157,12 +157,13 @@ def test_lowers_at_characters_57b_shapes(n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [st.DEFAULT_CONFIG, st.Config(tile_m=64, stages=4)])
-def test_kernel_on_gpu_inside_scan(config):
+@pytest.mark.parametrize("config,n", [(st.DEFAULT_CONFIG, 512), (st.Config(tile_m=64, stages=4), 512),
+                                      (None, 384)])  # None, N = 384: pick_config -> NARROW_CONFIG
+def test_kernel_on_gpu_inside_scan(config, n):
     if not st.is_supported():
         pytest.skip("needs an NVIDIA Hopper GPU")
     seed = _seed()
-    m, n, k, layers = 757, 512, 512, 4
+    m, k, layers = 757, 512, 4
     x8, w8, scale = _operands(seed, m, n, k, layers)
     # Poison freed memory so unwritten output elements show as NaN.
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()

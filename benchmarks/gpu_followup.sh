@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The measurements still open after the 2026-11-30 ablation (run F), in one call on
+# nvidia-h200-x2 (~4 minutes; every stage under a timeout):
+#   GPU 1: the GPU tests written or changed without a GPU run (the FP8 weight stays FP8 in
+#          every linear form at a model shape; the stacked GEMM's narrow tiles in a scan);
+#   GPU 0, at the same time: characters-57b at tp=1 with the stacked GEMMs (`auto`);
+#   then both GPUs: one block against PyTorch with the stacked Pallas GEMMs
+#          (benchmarks/torch_block_reference.py; issue 6's block ratio).
+# Output under $OUT (at most 8 files): tests.log, step57b_tp1.json, bench_tp1.log,
+# block_reference.json, block.log; a summary last.
+#   bash benchmarks/gpu_followup.sh
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-out/gpu_followup}
+mkdir -p "$OUT"
+START=$SECONDS
+
+( CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 150 python3 -m pytest -q -s -m gpu \
+    -p no:cacheprovider tests/test_fp8_linear.py tests/test_fp8_gemm_stacked.py > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?" >> "$OUT/tests.log" ) &
+CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python3 -m characters_jax.cli bench --config characters-57b --tp 1 \
+  --mode ring --steps 10 --warmup 2 --upkeep-steps-per-call 2 --json "$OUT/step57b_tp1.json" > "$OUT/bench_tp1.log" 2>&1
+echo "bench tp=1 rc=$? after $(( SECONDS - START ))s"
+wait
+echo "tests done after $(( SECONDS - START ))s"
+timeout -k 10 170 python3 benchmarks/torch_block_reference.py --json "$OUT/block_reference.json" \
+  --torch-timeout 80 > "$OUT/block.log" 2>&1
+echo "block reference rc=$? after $(( SECONDS - START ))s"
+
+echo "== summary"
+grep -E "passed|failed|rc=" "$OUT/tests.log" | tail -4
+grep -E "step p50|fits|temporaries|compile " "$OUT/bench_tp1.log" | head -5
+grep -E "^block JAX|JAX FP8 GEMMs" "$OUT/block.log"
+sed -n '/component/,/^block_/p' "$OUT/block.log" | head -20
