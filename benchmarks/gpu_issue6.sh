@@ -18,7 +18,9 @@
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 # Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all six; VARIANTS="" runs none: extras only),
-# TP (2), DECODER_GPU (1: the decoder's GPU for the decoder extras),
+# TP (2), DECODER_GPU (1: the decoder's GPU for the decoder extras), PROFILE_PLAIN (0; 1: the
+# profile traces a second compile with XLA command buffers off, where the trace names the
+# Pallas kernels instead of listing them as MemcpyD2D; one more compile per variant),
 # EXTRAS ("block decoder overlap": the block reference, the decoder alone, the decoder sharing GPU 1; 0: none), CONFIG (characters-57b), BLOCK_ARGS (extra torch_block_reference.py arguments, e.g. --dry-run).
 # ATTN_CUDNN (cudnn), ATTN_FP8 (pallas), REDUCE_FUSED (pallas): the impls of the variants.
 # CPU smoke test: CONFIG=tiny BLOCK_ARGS=--dry-run ATTN_CUDNN=xla ATTN_FP8=reference REDUCE_FUSED=ppermute \
@@ -35,6 +37,7 @@ DEADLINE_S=${DEADLINE_S:-530}
 VARIANTS=${VARIANTS-"launch ring_cudnn ring_fp8 ring_kvslice ring_stacked ring_fused"}
 CONFIG=${CONFIG:-characters-57b}
 TP=${TP:-2}
+PROFILE_PLAIN=${PROFILE_PLAIN:-0}  # 1: profile a second compile without XLA command buffers
 DECODER_GPU=${DECODER_GPU:-1}  # the decoder's GPU (with TP=2: shared with the generator)
 BLOCK_ARGS=${BLOCK_ARGS:-}
 ATTN_CUDNN=${ATTN_CUDNN:-cudnn}
@@ -87,7 +90,8 @@ for v in $VARIANTS; do
   esac
   guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \
     --steps "$STEPS" --warmup "$WARMUP" --progress 10 --upkeep-steps-per-call 4 \
-    --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp${TP}_$v.json"
+    --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp${TP}_$v.json" \
+    $( [ "$PROFILE_PLAIN" = 1 ] && echo --profile-without-command-buffers )
 done
 
 EXTRAS=${EXTRAS:-"block decoder overlap"}

@@ -23,7 +23,9 @@ COLORS = {"cache_upkeep": "#d62728", "attention": "#1f77b4", "gemm": "#2ca02c", 
 
 def variant_label(r: dict) -> str:
     """e.g. 'ring\\nattn cudnn\\nreduce psum' from a bench result."""
-    return f"{r.get('mode', '?')}\nattn {r.get('attention', '?')}\nreduce {r.get('reduce', '?')}\ntp={r.get('tp', '?')}"
+    kv = "" if r.get("kv_in_place", True) or r.get("mode") != "ring" else " (K/V sliced)"
+    gemm = f"\ngemm {r['gemm']}" if r.get("gemm") else ""
+    return f"{r.get('mode', '?')}\nattn {r.get('attention', '?')}{kv}{gemm}\nreduce {r.get('reduce', '?')}\ntp={r.get('tp', '?')}"
 
 
 def load(paths: list[str]) -> list[tuple[str, dict]]:
