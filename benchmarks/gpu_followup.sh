@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurements still open after the 2026-11-30 ablation (run F), in one call on
-# nvidia-h200-x2 (~4 minutes; every stage under a timeout):
+# nvidia-h200-x2 (~6 minutes; every stage under a timeout):
 #   GPU 1: the GPU tests written or changed without a GPU run (the FP8 weight stays FP8 in
 #          every linear form at a model shape; the stacked GEMM's narrow tiles in a scan);
 #   GPU 0, at the same time: characters-57b at tp=1 with the stacked GEMMs (`auto`);
