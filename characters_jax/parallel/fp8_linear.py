@@ -77,12 +77,19 @@ class Fp8Weight:
     def per_channel(self) -> bool:
         return self.scale.ndim == (2 if self.stacked else 1)
 
+    @property
+    def layer_scale(self) -> jax.Array:
+        """The selected block's scale: scale[layer] in the stacked form, else scale."""
+        if not self.stacked:
+            return self.scale
+        return jax.lax.dynamic_index_in_dim(self.scale, self.layer, 0, keepdims=False)
+
     def at_layer(self) -> "Fp8Weight":
         """The selected block's weight as a plain [N, K] Fp8Weight (an XLA slice)."""
         if not self.stacked:
             return self
         take = lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False)  # noqa: E731
-        return Fp8Weight(values=take(self.values), scale=take(self.scale))
+        return Fp8Weight(values=take(self.values), scale=self.layer_scale)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight [N, K] this FP8 weight stands for."""
@@ -217,7 +224,7 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.A
             y = y + addend.astype(jnp.float32)
         return y.astype(out_dtype)
     x_fp8, x_scale = quantize_activation(x)
-    w_scale = jax.lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
+    w_scale = w.layer_scale
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if addend is not None:
         addend = addend.reshape(-1, addend.shape[-1])

@@ -237,17 +237,11 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
         addend = None
     elif _all_stacked(rest):
         addend = stacked_partial(rest, out_dtype)
-    elif len(rest) == 1:
-        addend = linear(*rest[0], out_dtype=out_dtype)  # f32 inside, one rounding
     else:
         addend = local_partial(rest, out_dtype)
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
-    if w.stacked:
-        scale = lax.dynamic_index_in_dim(w.scale, w.layer, 0, keepdims=False)
-        return fp8_gemm_allreduce.gemm_allreduce(x, w.values, scale, layer=w.layer, addend=addend,
-                                                 axis_name=axis_name, out_dtype=out_dtype)
-    return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.scale, addend=addend,
+    return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.layer_scale, layer=w.layer, addend=addend,
                                              axis_name=axis_name, out_dtype=out_dtype)
 
 
