@@ -5,10 +5,8 @@ One run checks every variant against an f32 reference on fresh random inputs
 then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
 
   GEMM alone, one device, pre-quantized operands, bf16 out, every shape (o, down, qkv, up):
-    xla_fp8_gemm_f32           XLA FP8 dot to f32, then the scale multiply ('post', the
-                               model's form)
-    xla_fp8_gemm_dequant_m768  XLA's best form: dot(convert(x8)*a, convert(w8)*b) on x
-                               padded to 768 rows (cuBLASLt A/B scales, no pad/slice)
+    xla_fp8_gemm_f32           XLA FP8 dot to f32, then the scale multiply (the model's
+                               form)
     pallas_fp8_gemm            the Pallas kernel alone (the tp = 1 path of the fused
                                kernel, ``stacked_fp8_matmul`` on a [1, N, K] stack): x
                                padded 757 -> 760 and the output sliced back, in the loop
@@ -33,8 +31,8 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
                                                products, an XLA add, bf16, psum (768 rows)
     block/pallas_stacked                       the fused kernel reading the down stack in
                                                place, attention-out as its addend
-  --full adds: XLA scale forms _bf16 / _dequant / _linear, fused configs _m64 / _tma /
-  _tma_m64, the ppermute ring.
+  --full adds: XLA _bf16 (the dot writes bf16) and _linear (``fp8_linear.linear``,
+  activations quantized inside), fused configs _m64 / _tma / _tma_m64, the ppermute ring.
 
 hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce.
 
@@ -181,7 +179,7 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
 
     from characters_jax.parallel import row_parallel
     from characters_jax.parallel.fp8_linear import (
-        Fp8Weight, dequant_dot, fp8_dot, linear, quantize_weight)
+        Fp8Weight, fp8_dot, linear, quantize_weight)
     from pallas_kernels import fp8_gemm_allreduce as fused
     from pallas_kernels import fp8_gemm_stacked as stk
 
@@ -265,15 +263,10 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
         xl = jax.device_put(x8[:, :k], devs[0])
         wl = jax.device_put(w8[:, :k], devs[0])
         ref_local = (xl.astype(jnp.float32) @ wl.astype(jnp.float32).T) * scale
-        a_bf, b_bf = jnp.bfloat16(1 / 16), jnp.bfloat16(1 / 32)  # exact in bf16
-        xl768 = jnp.pad(xl, ((0, -M % 16), (0, 0)))  # 768 rows at M = 757
         xl760 = jnp.pad(xl, ((0, -M % 8), (0, 0)))  # 760 rows
         w1 = wl[None]  # [1, N, K]: the stacked kernel's operand (a copy, outside the timing)
         record(f"{name}/xla_fp8_gemm_f32", functools.partial(gemm, acc=jnp.float32),
                (xl, wl), ref_local)
-        record(f"{name}/xla_fp8_gemm_dequant_m768",
-               lambda a, b: dequant_dot(a, a_bf, b, b_bf, jnp.bfloat16), (xl768, wl), ref_local,
-               rows=M)
         record(f"{name}/pallas_fp8_gemm",
                lambda a, b: stk.stacked_fp8_matmul(a, b, 0, scale, impl=kimpl), (xl, w1),
                ref_local)
@@ -283,8 +276,6 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
         if full:
             record(f"{name}/xla_fp8_gemm_bf16", functools.partial(gemm, acc=jnp.bfloat16),
                    (xl, wl), ref_local)
-            record(f"{name}/xla_fp8_gemm_dequant",
-                   lambda a, b: dequant_dot(a, a_bf, b, b_bf, jnp.bfloat16), (xl, wl), ref_local)
             xb = jax.device_put((x[:, :k] / 4).astype(jnp.bfloat16), devs[0])
             wq = Fp8Weight(values=wl, scale=jax.device_put(jnp.float32(0.0104), devs[0]))
             record(f"{name}/xla_fp8_gemm_linear", lambda a, w: linear(a, w), (xb, wq))
@@ -383,10 +374,9 @@ def summarize(res):
         flop = 2 * M * k * n
         line = {"shape": f"{name} {M}x{k}x{n}", "torch_mm_us": t,
                 "xla_post_f32_us": us(f"{name}/xla_fp8_gemm_f32"),
-                "xla_dequant_m768_us": us(f"{name}/xla_fp8_gemm_dequant_m768"),
                 "pallas_us": us(f"{name}/pallas_fp8_gemm"),
                 "pallas_m760_us": us(f"{name}/pallas_fp8_gemm_m760")}
-        for v in ("xla_post_f32", "xla_dequant_m768", "pallas", "pallas_m760"):
+        for v in ("xla_post_f32", "pallas", "pallas_m760"):
             if line[f"{v}_us"] and t:
                 line[f"{v}_over_torch"] = line[f"{v}_us"] / t
         if line["pallas_us"]:
@@ -416,13 +406,12 @@ def table(res):
     us = lambda k: (res.get(k) or {}).get("us")  # noqa: E731
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     r = lambda a, b: "-" if not a or not b else f"{a / b:.2f}"  # noqa: E731
-    out = ["GEMM alone (us) | torch _scaled_mm | XLA post f32 | XLA dequant m768 | Pallas | "
-           "Pallas m760 | Pallas/torch | Pallas m760/torch"]
+    out = ["GEMM alone (us) | torch _scaled_mm | XLA post f32 | Pallas | Pallas m760 | "
+           "Pallas/torch | Pallas m760/torch"]
     for s in SHAPES:
         t = us(f"{s}/torch_scaled_mm")
         p, p760 = us(f"{s}/pallas_fp8_gemm"), us(f"{s}/pallas_fp8_gemm_m760")
-        out.append(f"{s} | {f(t)} | {f(us(f'{s}/xla_fp8_gemm_f32'))} | "
-                   f"{f(us(f'{s}/xla_fp8_gemm_dequant_m768'))} | {f(p)} | {f(p760)} | "
+        out.append(f"{s} | {f(t)} | {f(us(f'{s}/xla_fp8_gemm_f32'))} | {f(p)} | {f(p760)} | "
                    f"{r(p, t)} | {r(p760, t)}")
     out.append("row-parallel (us) | psum | GEMM+psum | fused | fused run1 sync | torch mm+AR")
     for s in [s for s, (_, _, row) in SHAPES.items() if row]:

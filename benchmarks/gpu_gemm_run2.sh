@@ -36,10 +36,10 @@ except Exception as e:  # noqa: BLE001
 r = d["raw"]
 us = lambda k: (r.get(k) or {}).get("us")
 f = lambda v: "-" if v is None else f"{v:.1f}"
-print("shape | torch_mm | post_f32 | post_bf16 | dequant | dequant_m768 | linear(api)")
+print("shape | torch_mm | post_f32 | post_bf16 | linear(api)")
 for s in ("o", "down", "qkv", "up"):
     print(s, "|", " | ".join(f(us(f"{s}/{k}")) for k in ("torch_scaled_mm", "xla_fp8_gemm_f32",
-          "xla_fp8_gemm_bf16", "xla_fp8_gemm_dequant", "xla_fp8_gemm_dequant_m768", "xla_fp8_gemm_linear")))
+          "xla_fp8_gemm_bf16", "xla_fp8_gemm_linear")))
 print("row | psum | gemm+psum | fused run1 | fused_tma | fused_tma_m64 | fused_m64 | ring | torch mm+AR")
 for s in ("o", "down"):
     print(s, "|", " | ".join(f(us(f"{s}/{k}")) for k in ("allreduce_psum", "gemm+psum", "fused_pallas",

@@ -75,23 +75,6 @@ def _compiled_hlo(x, wq):
     return jax.jit(linear).lower(x, wq).compile().as_text()
 
 
-def test_dequant_pattern_in_hlo_and_scales_consistent():
-    """'dequant': convert(f8)->bf16 * scalar feeds a bf16 dot; a and b are exact in bf16."""
-    from characters_jax.parallel.fp8_linear import quantize_for_dequant_dot
-
-    x, w = _inputs(np.random.SeedSequence().entropy % 2**31, m=64, k=128, n=256)
-    wq = Fp8Weight(values=quantize_weight(w).values, scale=jnp.float32(0.0104))  # not bf16-exact
-    text = jax.jit(lambda x, w: linear(x, w, scale_mode="dequant")).lower(x, wq).as_text()
-    assert "f8E4M3FN>) -> tensor<64x128xbf16>" in text
-    assert "tensor<256x128xbf16>) -> tensor<64x256xbf16>" in text  # the dot, weight as stored
-    x8, a, b = jax.jit(quantize_for_dequant_dot)(x, wq.scale)
-    assert a.dtype == b.dtype == jnp.bfloat16
-    assert float(np.abs(np.asarray(x8, np.float32)).max()) <= 448.0
-    # a * b reproduces x_scale * w_scale with x8 * a * b ~= x * w_scale.
-    approx = np.asarray(x8, np.float64) * float(a) * float(b)
-    np.testing.assert_allclose(approx, np.asarray(x, np.float64) * 0.0104, rtol=0.07, atol=float(a) * float(b))
-
-
 def test_weight_is_not_transposed_outside_the_dot():
     """The (N, K) FP8 weight must reach the dot as stored: no transpose/copy of it."""
     x, w = _inputs(5, m=64, k=128, n=256)
@@ -109,31 +92,33 @@ def test_weight_is_not_transposed_outside_the_dot():
 @pytest.mark.parametrize("m", [757, 768])
 def test_fp8_gemm_keeps_the_weight_fp8_on_gpu(m):
     """At a characters-57b shape (the attention-out projection at tp=2: K=4608, N=9216)
-    every form runs an FP8 GEMM on the weight as stored: no float [N, K] copy of the
-    weight is computed anywhere in the compiled module (which is what happened to the
-    'dequant' form inside the scanned step, BUILD_NOTES issue 6 run A), and the GEMM
-    (cuBLASLt FP8, or an XLA GEMM fusion) is fed the f8e4m3fn weight. A first version
-    at K=512, N=1024 failed on the H200 for a shape reason: XLA picked a Triton GEMM
-    fusion there that multiplies the scale into the FP8 tiles itself."""
+    ``linear`` runs an FP8 GEMM on the weight as stored: no float [N, K] copy of the
+    weight is computed anywhere in the compiled module, and the GEMM (cuBLASLt FP8, or
+    an XLA GEMM fusion) is fed the f8e4m3fn weight. A dequantize-pattern scale form
+    (convert(f8)->bf16 * scalar on both operands) failed this test on the H200 (jax
+    0.11.2): XLA materialized a bf16 [N, K] weight and ran a bf16 cuBLASLt GEMM, as it
+    had inside the scanned step (BUILD_NOTES issue 6 run A); that form was removed. A
+    first version of this test at K=512, N=1024 failed on the H200 for a shape reason:
+    XLA picked a Triton GEMM fusion there that multiplies the scale into the FP8 tiles
+    itself."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     k, n = 4608, 9216
     x, w = _inputs(7, m=m, k=k, n=n)
     materialized = re.compile(rf"(bf16|f16|f32)\[{n},{k}\]")
-    for mode in ("dequant", "post"):
-        for per_channel in (False, True):
-            wq = quantize_weight(w, per_channel=per_channel)
-            compiled = jax.jit(lambda x, w: linear(x, w, scale_mode=mode)).lower(x, wq).compile().as_text()
-            where = f"mode={mode} per_channel={per_channel} m={m}"
-            assert not materialized.search(compiled), f"{where}: weight dequantized\n{compiled}"
-            assert f"f8e4m3fn[{n},{k}]" in compiled, f"{where}: no FP8 weight\n{compiled}"
-            assert "__cublas$lt$matmul$f8" in compiled or "gemm_fusion" in compiled, f"{where}: no GEMM\n{compiled}"
+    for per_channel in (False, True):
+        wq = quantize_weight(w, per_channel=per_channel)
+        compiled = jax.jit(linear).lower(x, wq).compile().as_text()
+        where = f"per_channel={per_channel} m={m}"
+        assert not materialized.search(compiled), f"{where}: weight dequantized\n{compiled}"
+        assert f"f8e4m3fn[{n},{k}]" in compiled, f"{where}: no FP8 weight\n{compiled}"
+        assert "__cublas$lt$matmul$f8" in compiled or "gemm_fusion" in compiled, f"{where}: no GEMM\n{compiled}"
 
 
 def test_stacked_shape_that_does_not_tile_uses_xla_fp8_gemm_on_gpu(monkeypatch):
     """Where the stacked kernel runs (patched here) but a shape does not tile (N % 256 != 0,
     as the MLP-up projection at tp=4: N = 8064), the stacked form is XLA's FP8 GEMM on the
-    sliced layer ('post'), not the float32 reference."""
+    sliced layer, not the float32 reference."""
     from characters_jax.parallel import fp8_linear as fl
     from pallas_kernels import fp8_gemm_stacked
 
@@ -144,7 +129,7 @@ def test_stacked_shape_that_does_not_tile_uses_xla_fp8_gemm_on_gpu(monkeypatch):
                       layer=jnp.int32(2))
     assert not fl.stacked_gemm_runs_kernel(stack)
     got = fl.stacked_linear(x, stack, jnp.float32)
-    want = linear(x, layers[2], jnp.float32, scale_mode="post")
+    want = linear(x, layers[2], jnp.float32)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     add = jnp.ones((37, 200), jnp.float32)
     np.testing.assert_array_equal(np.asarray(fl.stacked_linear(x, stack, jnp.float32, addend=add)),

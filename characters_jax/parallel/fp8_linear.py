@@ -7,24 +7,14 @@ maximum (never read by the host).  The product is one ``dot_general`` on the two
 FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
 (no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
 
-How the scales are applied (``SCALE_MODE``, env ``CHARACTERS_FP8_SCALE``):
-  'dequant' (per-tensor weights): the dot is written as XLA's GEMM
-      rewriter expects a dequantized FP8 GEMM,
-      ``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` with scalar a, b, so
-      both scales become the cuBLASLt call's A/B scale operands and the GEMM
-      writes bf16 directly: no elementwise pass over the output.  a and b are
-      exactly representable in bf16 (b = bf16(w.scale); the rounding residual
-      r = w.scale / b is folded into the activation's quantization, and a is
-      rounded up to a bf16 value), so the scale the GEMM applies is the one the
-      quantization used.  (Without the rewrite, e.g. on CPU, the bf16 multiply
-      rounds each element once: relative error <= 2^-9.)
-  'post' (default): FP8 dot to f32, then one multiply by x_scale * w_scale (scalar
-      or [N]) and a convert: an extra pass over the output unless XLA folds it.
-      Default because, inside the characters-57b step (60 blocks under scan, weights
-      sliced per layer), 'dequant' was not rewritten: XLA materialized each layer's
-      bf16 weight (a [9216, 16128] multiply fusion per call) and the tp=2 step took
-      497 ms against 363 ms with 'post' (BUILD_NOTES, issue 6).
-Per-channel weights ([N] scales) always use 'post'.
+The scales are applied after the GEMM: the FP8 dot writes f32 (or bf16, see
+``accumulate_dtype``), then one multiply by x_scale * w_scale (scalar, or [N] per
+channel) and a convert.  A dequantize-pattern form,
+``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` for XLA's GEMM rewriter to fold
+into the cuBLASLt call's A/B scales, was tried and removed: on jax 0.11.2 (H200) at the
+model's shapes XLA materialized the bf16 weight (a multiply fusion over [N, K]) and ran a
+bf16 GEMM instead of an FP8 one, for the GEMM alone as it had earlier inside the scanned
+step (BUILD_NOTES has the history).  So only this post-scaled form exists.
 
 Shapes and dtypes:
   ``Fp8Weight.values``  [N, K] float8_e4m3fn
@@ -35,7 +25,6 @@ Shapes and dtypes:
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +32,6 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 _TINY = 1e-12  # keeps the scale of an all-zero tensor finite
-SCALE_MODES = ("dequant", "post")
-SCALE_MODE = os.environ.get("CHARACTERS_FP8_SCALE", "post")
 
 
 @jax.tree_util.register_dataclass
@@ -137,55 +124,15 @@ def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def round_up_to_bf16(v: jax.Array) -> jax.Array:
-    """The smallest bf16 value >= v (v finite, positive f32), returned as bf16 (exact)."""
-    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
-    up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(up, jnp.float32).astype(jnp.bfloat16)
-
-
-def quantize_for_dequant_dot(x: jax.Array, w_scale: jax.Array):
-    """Quantizes x for ``dequant_dot`` against a weight with per-tensor scale w_scale.
-
-    Returns (x_fp8 [..., K], a [] bf16, b [] bf16) with a * b * (x_fp8 @ w8.T) ~= x @ w.T:
-    b = bf16(w_scale); r = w_scale / b (within 2^-9 of one) is folded into x's
-    quantization, x_fp8 = x * r / a, with a = the bf16 value at or above amax(x) * r / 448
-    (so nothing saturates).  All on the device.
-    """
-    sw = jnp.asarray(w_scale, jnp.float32)
-    b = sw.astype(jnp.bfloat16)
-    b = jnp.where(b == 0, jnp.ones_like(b), b)
-    r = sw / b.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    a = round_up_to_bf16(jnp.maximum(amax * r, _TINY) / FP8_MAX)
-    return _to_fp8(x, r / a.astype(jnp.float32)), a, b
-
-
-def dequant_dot(x_fp8: jax.Array, a: jax.Array, w_fp8: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
-    """(x_fp8 * a) @ (w_fp8 * b).T written as the dequantize pattern of XLA's GEMM rewriter.
-
-    x_fp8 [M, K], w_fp8 [N, K] e4m3; a, b scalars (bf16, exact).  On NVIDIA GPUs this is one
-    cuBLASLt FP8 GEMM with A/B scales and a ``out_dtype`` (bf16/f16/f32) output.
-    """
-    cdt = jnp.bfloat16
-    xd = x_fp8.astype(cdt) * a.astype(cdt)
-    wd = w_fp8.astype(cdt) * b.astype(cdt)
-    pref = out_dtype if jnp.dtype(out_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                                jnp.dtype(jnp.float32)) else jnp.float32
-    y = jax.lax.dot_general(xd, wd, (((xd.ndim - 1,), (1,)), ((), ())), preferred_element_type=pref)
-    return y.astype(out_dtype)
-
-
-def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode=None) -> jax.Array:
+def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None) -> jax.Array:
     """y = x @ w.T for x [..., K] and w an ``Fp8Weight`` or a float [N, K] array.
 
     Args:
       x: activations [..., K] (bf16 or f32).
       w: ``Fp8Weight`` (values [N, K] e4m3, scale [] or [N]) or a float [N, K].
       out_dtype: dtype of the result (default x.dtype).
-      accumulate_dtype: ('post' mode) dtype the FP8 GEMM writes before the scales are
-        applied (default f32; bf16 halves the bytes written).  Ignored otherwise.
-      scale_mode: 'dequant' | 'post' (module docstring); default ``SCALE_MODE``.
+      accumulate_dtype: dtype the FP8 GEMM writes before the scales are applied
+        (default f32; bf16 halves the bytes written).  Unused for float weights.
     Returns:
       [..., N] in ``out_dtype``.
     """
@@ -198,12 +145,6 @@ def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None, scale_mode
         return y.astype(out_dtype)
     if w.stacked:
         return _stacked_linear(x, w, out_dtype)
-    mode = scale_mode or SCALE_MODE
-    if mode not in SCALE_MODES:
-        raise ValueError(f"unknown scale_mode {mode!r}; expected one of {SCALE_MODES}")
-    if mode == "dequant" and not w.per_channel:
-        x_fp8, a, b = quantize_for_dequant_dot(x, w.scale)
-        return dequant_dot(x_fp8, a, w.values, b, out_dtype)
     x_fp8, x_scale = quantize_activation(x)
     y = fp8_dot(x_fp8, w.values, accumulate_dtype or jnp.float32)
     return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)
@@ -219,7 +160,7 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.A
     if fp8_gemm_stacked.is_supported() and not stacked_gemm_runs_kernel(w):
         # A GPU where the kernel runs but this shape does not tile (e.g. N = 8064 at tp=4):
         # XLA's FP8 GEMM on the sliced layer, not the float32 reference.
-        y = linear(x, w.at_layer(), jnp.float32, scale_mode="post")
+        y = linear(x, w.at_layer(), jnp.float32)
         if addend is not None:
             y = y + addend.astype(jnp.float32)
         return y.astype(out_dtype)

@@ -108,18 +108,11 @@ def _check_pairs(pairs) -> tuple[int, int]:
 def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype) -> jax.Array:
     """Sum over pairs of x @ w.T on this device: [M, N] in out_dtype.
 
-    FP8 pairs in 'dequant' mode each write out_dtype straight from the GEMM and are
-    summed in out_dtype (the add can become the next GEMM's C operand); otherwise
-    the partials are summed in f32.
+    The partials are summed in f32 and the sum is rounded to out_dtype once.
     """
-    from characters_jax.parallel import fp8_linear
-
-    direct = all(isinstance(w, Fp8Weight) and not w.per_channel for _, w in pairs) and (
-        fp8_linear.SCALE_MODE == "dequant")
-    acc_dtype = out_dtype if direct else jnp.float32
     acc = None
     for x, w in pairs:
-        y = linear(x, w, out_dtype=acc_dtype)
+        y = linear(x, w, out_dtype=jnp.float32)
         acc = y if acc is None else acc + y
     return acc.astype(out_dtype)
 
