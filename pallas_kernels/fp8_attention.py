@@ -65,6 +65,8 @@ LOG2E = math.log2(math.e)
 _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
 IMPLS = ("auto", "reference", "pallas", "cudnn", "xla")
+# The kernel's name as profiler traces show it ('fp8_attention_mosaic_gpu_kernel').
+KERNEL_NAME = "fp8_attention"
 
 __all__ = [
     "attention",
@@ -534,6 +536,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         grid_names=("heads", "q_tiles"),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
+        kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
 

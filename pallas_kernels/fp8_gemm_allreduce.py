@@ -76,6 +76,10 @@ import jax.numpy as jnp
 from jax import lax
 
 FP8 = jnp.float8_e4m3fn
+# Kernel names as profiler traces show them (``characters_jax.measure.profile`` classifies
+# by them): the fused GEMM + all-reduce, and the same kernel at tp = 1 (the stacked GEMM).
+KERNEL_NAME = "fp8_gemm_allreduce"
+GEMM_KERNEL_NAME = "fp8_gemm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +134,11 @@ def is_supported() -> bool:
         return False
 
 
+def device_sm_count() -> int:
+    """SMs of the first device (the persistent grid's size); 132 (H100/H200 SXM) if unknown."""
+    return getattr(jax.devices()[0], "core_count", 132)
+
+
 def fits(k: int, n: int, config: Config = Config()) -> bool:
     """Whether a [*, K] x [N, K] product tiles with ``config`` (M is padded)."""
     return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
@@ -176,7 +185,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                          f"{addend.shape} {addend.dtype}")
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     if num_sms is None:
-        num_sms = getattr(jax.devices()[0], "core_count", 132)  # 132 SMs on an H100/H200 SXM
+        num_sms = device_sm_count()
     swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
     in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
     out_bytes = jnp.dtype(out_dtype).itemsize
@@ -393,6 +402,8 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
         thread_name="wg",
         cluster=(1,),
         cluster_names=("cluster",),
+        # The name profiler traces show ('<name>_mosaic_gpu_kernel'): tp = 1 is a plain GEMM.
+        kernel_name=KERNEL_NAME if tp > 1 else GEMM_KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),

@@ -47,9 +47,13 @@ from pallas_kernels import fp8_gemm_allreduce as _fa
 FP8 = jnp.float8_e4m3fn
 Config = _fa.Config
 DEFAULT_CONFIG = Config()  # tile 128 x (2 x 128) x 128, 3 stages: the measured tp=1 path
-# For N a multiple of 128 but not of 256 (the MLP-up projection at tp=4: N = 8064): warpgroup
-# tiles 64 wide. Checked under the interpreter; not yet timed on a GPU.
-NARROW_CONFIG = Config(tile_n=64)
+# 128 x 128 output tiles (warpgroup tiles 64 wide), 4 stages. For N a multiple of 128 but not
+# of 256 (the MLP-up projection at tp=4: N = 8064), and where its tile count fills the last
+# wave of the persistent grid much better (``pick_config``).
+NARROW_CONFIG = Config(tile_n=64, stages=4)
+# How much slower NARROW_CONFIG's tiles are than DEFAULT_CONFIG's at equal wave fill, as
+# measured at M = 757 on an H200 (BUILD_NOTES, "GEMM tilings"): 6-14% at the tp=2 shapes.
+NARROW_TILE_COST = 1.15
 IMPLS = ("auto", "pallas", "reference", "interpret")
 INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps tests fast)
 
@@ -64,9 +68,28 @@ def fits(n: int, k: int, config: Config | None = None) -> bool:
     return _fa.fits(k, n, config or pick_config(n, k))
 
 
-def pick_config(n: int, k: int) -> Config:
-    """DEFAULT_CONFIG where N tiles by 256, else NARROW_CONFIG (N by 128)."""
-    return DEFAULT_CONFIG if _fa.fits(k, n, DEFAULT_CONFIG) else NARROW_CONFIG
+def wave_fill(m: int, n: int, config: Config, num_sms: int) -> float:
+    """The share of the persistent grid's block-slots that do work: output tiles /
+    (waves x num_sms), the waves rounded up (1.0: the last wave is full)."""
+    tiles = -(-m // config.tile_m) * (n // (2 * config.tile_n))
+    return tiles / (-(-tiles // num_sms) * num_sms)
+
+
+def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None) -> Config:
+    """The tiling for an [M, K] x [N, K] product.
+
+    NARROW_CONFIG where N does not tile by 256; else DEFAULT_CONFIG, unless M is given and
+    NARROW_CONFIG's tiles fill the waves of ``num_sms`` (default: the device's SMs) more
+    than NARROW_TILE_COST times better (the qkv projection at tp=2: 648 tiles fill 98% of
+    5 waves of 132, DEFAULT's 324 tiles 82% of 3).
+    """
+    if not _fa.fits(k, n, DEFAULT_CONFIG):
+        return NARROW_CONFIG
+    if m is None:
+        return DEFAULT_CONFIG
+    sms = num_sms or _fa.device_sm_count()
+    gain = wave_fill(m, n, NARROW_CONFIG, sms) / wave_fill(m, n, DEFAULT_CONFIG, sms)
+    return NARROW_CONFIG if gain > NARROW_TILE_COST else DEFAULT_CONFIG
 
 
 def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None):
@@ -144,9 +167,9 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
-    config: the kernel's tiling (default ``pick_config(N, K)``)."""
+    config: the kernel's tiling (default ``pick_config(N, K, M)``)."""
     _check(x_fp8, w_stacked, layer, scale, addend)
-    config = config or pick_config(*w_stacked.shape[1:])
+    config = config or pick_config(*w_stacked.shape[1:], m=x_fp8.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":

@@ -263,3 +263,20 @@ def test_addend_epilogue_on_gpu_inside_scan():
     for layer in range(layers):
         ref = _exact(x8, w8, layer, scale) + np.asarray(add[layer], np.float64)
         assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
+
+
+def test_pick_config_by_wave_fill():
+    """128 x 128 tiles only where 128 x 256 cannot tile N, or where they fill the persistent
+    grid's last wave much better (characters-57b's qkv at tp=2: 648 tiles in 5 waves of 132
+    vs 324 in 3); the other tp=2 projections keep 128 x 256."""
+    assert st.wave_fill(757, 13824, st.DEFAULT_CONFIG, 132) == pytest.approx(324 / 396)
+    assert st.wave_fill(757, 13824, st.NARROW_CONFIG, 132) == pytest.approx(648 / 660)
+    assert st.wave_fill(128, 256, st.DEFAULT_CONFIG, 1) == 1.0
+    pick = lambda n, k, m=757: st.pick_config(n, k, m=m, num_sms=132)
+    assert pick(13824, 9216) == st.NARROW_CONFIG  # qkv, tp=2
+    for n, k in ((9216, 4608), (16128, 9216), (9216, 16128)):  # out, up, down at tp=2
+        assert pick(n, k) == st.DEFAULT_CONFIG, (n, k)
+    assert pick(8064, 9216) == st.NARROW_CONFIG  # up at tp=4: N % 256 != 0
+    assert st.pick_config(13824, 9216) == st.DEFAULT_CONFIG  # M unknown: the default
+    assert pick(13824, 9216, m=128) == st.NARROW_CONFIG  # 108 tiles busy 82% of the SMs, 54 41%
+    assert pick(9216, 4608, m=128 * 22) == st.DEFAULT_CONFIG  # 792 tiles = 6 full waves

@@ -65,6 +65,8 @@ HLO = """HloModule jit_program, is_scheduled=true
   %loop_convert_fusion = bf16[8,32]{1,0} fusion(%x), kind=kLoop, calls=%fused_gemm, metadata={op_name="jit(program)/while/body/cache_upkeep/convert_element_type"}
   %custom-call.7 = bf16[8,32]{1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(program)/while/body/attention/pallas_call"}
   %custom-call.8 = bf16[8,32]{1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(program)/while/body/out_down_reduce/pallas_call"}
+  %custom-call.10 = bf16[8,32]{1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(program)/while/body/qkv_proj/pallas_call"}
+  %custom-call.11 = bf16[8,32]{1,0} custom-call(%q), custom_call_target="mosaic_gpu_v2", metadata={op_name="jit(program)/while/body/out_down_reduce/pallas_call"}
   %all-reduce-start.3 = bf16[8,32]{1,0} all-reduce-start(%y), replica_groups={{0,1}}, to_apply=%add, metadata={op_name="jit(program)/while/body/out_down_reduce/psum"}
   %add_rsqrt_fusion = f32[8,1]{1,0} fusion(%x), kind=kLoop, calls=%fused_norm, metadata={op_name="jit(program)/while/body/rsqrt"}
   ROOT %tuple = (s32[], f32[8,32]) tuple(%i, %y)
@@ -86,6 +88,18 @@ def test_classify_by_hlo_and_by_kernel_name():
     assert idx.classify("custom-call.7", "attention_kernel") == ("attention", "attention")
     assert idx.classify("custom-call.8", "fused_kernel") == ("gemm_allreduce", "out_down_reduce")
     assert idx.classify("all-reduce-start.3", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == ("collective", "out_down_reduce")
+    # Pallas kernels by the names they carry into the trace: the stacked GEMM is a GEMM in
+    # any scope, the fused kernel a GEMM + all-reduce (not a collective, despite its name).
+    from pallas_kernels import fp8_attention, fp8_gemm_allreduce
+    gemm_name = fp8_gemm_allreduce.GEMM_KERNEL_NAME + "_mosaic_gpu_kernel"
+    fused_name = fp8_gemm_allreduce.KERNEL_NAME + "_mosaic_gpu_kernel"
+    assert idx.classify("custom-call.10", gemm_name) == ("gemm", "qkv_proj")
+    assert idx.classify("custom-call.11", gemm_name) == ("gemm", "out_down_reduce")
+    assert idx.classify("custom-call.11", fused_name) == ("gemm_allreduce", "out_down_reduce")
+    assert idx.classify("custom-call.7", fp8_attention.KERNEL_NAME + "_mosaic_gpu_kernel") == ("attention", "attention")
+    # Unnamed Mosaic kernels (older traces: 'body_mosaic_gpu_kernel') go by their scope.
+    assert idx.classify("custom-call.10", "body_mosaic_gpu_kernel") == ("gemm", "qkv_proj")
+    assert idx.classify("custom-call.11", "body_mosaic_gpu_kernel") == ("gemm_allreduce", "out_down_reduce")
     assert idx.classify("add_rsqrt_fusion", "add_rsqrt_fusion") == ("other", "unscoped")
     assert idx.is_container("while.9")
     # No hlo_op stat (e.g. kernels replayed from a command buffer): the fusion's kernel name.

@@ -53,6 +53,12 @@ _GEMM_KERNEL = re.compile(r"gemm|cublas|cutlass|xmma|sm90_|sm100_|wgmma|matmul",
 _GEMM_TARGET = re.compile(r"cublas|gemm|matmul", re.I)
 _ATTENTION_TARGET = re.compile(r"fmha|flash|attention", re.I)
 _MOSAIC_TARGET = re.compile(r"mosaic", re.I)
+# Pallas kernels carry their names into the trace ('<name>_mosaic_gpu_kernel'; see
+# pallas_kernels.*.KERNEL_NAME); the fused GEMM + all-reduce is named before the collectives'
+# pattern (which would take its 'allreduce') is tried.
+_GEMM_ALLREDUCE_KERNEL = re.compile(r"gemm_?all_?reduce", re.I)
+# Scopes whose unnamed Mosaic kernels are GEMMs (traces from before the kernels had names).
+_GEMM_SCOPES = {"qkv_proj": "gemm", "mlp_up": "gemm", "out_down_reduce": "gemm_allreduce"}
 # Lines of a GPU device plane that the profiler derives from the kernels (would double count).
 _DERIVED_LINES = {
     "XLA Modules", "XLA Ops", "Steps", "TensorFlow Ops", "TensorFlow Name Scope", "Framework Ops",
@@ -194,6 +200,8 @@ class HloIndex:
         fused = self.fused_opcodes(info) if info is not None and opcode == "fusion" else frozenset()
         fused_targets = " ".join(t for t in fused if t.startswith("target:"))
 
+        if _GEMM_ALLREDUCE_KERNEL.search(kernel):
+            return "gemm_allreduce", scope
         if _COLLECTIVE_OPCODES.match(opcode) or _COLLECTIVE_KERNEL.search(kernel) or any(_COLLECTIVE_OPCODES.match(o) for o in fused):
             return "collective", scope
         if scope == "cache_upkeep":
@@ -202,8 +210,11 @@ class HloIndex:
             return "attention", scope
         if _ATTENTION_TARGET.search(target) or _ATTENTION_TARGET.search(fused_targets) or (info is None and _ATTENTION_KERNEL.search(kernel)):
             return "attention", scope
-        if _MOSAIC_TARGET.search(target + " " + fused_targets) and scope == "out_down_reduce":
-            return "gemm_allreduce", scope
+        if _MOSAIC_TARGET.search(target + " " + fused_targets):
+            if _GEMM_KERNEL.search(kernel):
+                return "gemm", scope
+            if scope in _GEMM_SCOPES:
+                return _GEMM_SCOPES[scope], scope
         is_gemm = (
             opcode in _GEMM_OPCODES
             or (opcode == "custom-call" and _GEMM_TARGET.search(target))
