@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The measurements still open after the 2026-11-30 ablation (run F), in one call on
-# nvidia-h200-x2 (~6 minutes; every stage under a timeout):
-#   GPU 1: the GPU tests written or changed without a GPU run (the FP8 weight stays FP8 in
-#          every linear form at a model shape; the stacked GEMM's narrow tiles in a scan);
+# The measurements that followed the 2026-11-30 ablation (run F), in one call on
+# nvidia-h200-x2 (~3-6 minutes; every stage under a timeout):
+#   GPU 1: the FP8 linear and stacked GEMM GPU tests (the FP8 weight stays FP8 at a model
+#          shape; the stacked GEMM's narrow tiles in a scan);
 #   GPU 0, at the same time: characters-57b at tp=1 with the stacked GEMMs (`auto`);
 #   then both GPUs: one block against PyTorch with the stacked Pallas GEMMs
 #          (benchmarks/torch_block_reference.py; issue 6's block ratio), and the default
