@@ -105,7 +105,9 @@ for x in $EXTRAS; do
     *) echo "unknown extra $x" ;;
   esac
 done
-guarded plot 40 python3 benchmarks/plot_breakdown.py "$OUT"/step57b_tp*_*.json --out "$OUT/breakdown.png"
+PLOT_FILES=()  # in the order of VARIANTS (the ablation's), not the shell's alphabetical one
+for v in $VARIANTS; do [ -f "$OUT/step57b_tp${TP}_$v.json" ] && PLOT_FILES+=("$OUT/step57b_tp${TP}_$v.json"); done
+guarded plot 40 python3 benchmarks/plot_breakdown.py "${PLOT_FILES[@]}" --out "$OUT/breakdown.png"
 
 # Logs, the per-variant breakdown.json and HLO text (the raw traces stay behind: too large).
 ( cd "$LOGS" && find . -maxdepth 2 \( -name "*.log" -o -name "*.txt" -o -name "breakdown.json" \) -size -8M -print0 \
