@@ -14,10 +14,13 @@
 # files); a summary last.
 #   bash benchmarks/gpu_gemm_tiles.sh
 #   CONFIGS="m128n64s5 m128n128s3w2" ALLREDUCE=1 STEPS=20 bash benchmarks/gpu_gemm_tiles.sh
+#   STEPS=0 bash benchmarks/gpu_gemm_tiles.sh   (tilings and tests only, ~90 s)
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out/gpu_gemm_tiles}
-CONFIGS=${CONFIGS:-"m128n64s4 m128n64s6 m64n128s4 m64n64s6 m128n128s3w8 m128n128s3w2"}
+# Default: the picked tilings with one wgmma left in flight (Config.mma_in_flight), the
+# experiment after T1-T3 (BUILD_NOTES, issue 5, "GEMM tilings").
+CONFIGS=${CONFIGS:-"m128n128s3f1 m128n64s4f1 m128n64s5f1"}
 TESTS=${TESTS:-"tests/test_fp8_linear.py tests/test_fp8_gemm_stacked.py"}
 ALLREDUCE=${ALLREDUCE:-0}
 STEPS=${STEPS:-10}

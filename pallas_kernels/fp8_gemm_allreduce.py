@@ -103,6 +103,14 @@ class Config:
     # Entry handshake before the first remote write (module docstring, "Synchronization").
     # False: run 1's protocol (remote writes may start before a peer has entered the call).
     entry_sync: bool = True
+    # wgmma groups a compute warpgroup leaves in flight across K steps. 0: each step's
+    # wgmma is waited on before the stage is released. 1: the next step's wgmma is issued
+    # first and the stage is released one step later (the pipeline's delay_release), so
+    # the tensor cores need not idle between K steps; the memory warpgroup then waits at
+    # each tile's start until both compute warpgroups have finished the previous tile's
+    # last wgmma (it reads a stage the next tile's first copies would overwrite).
+    # Not yet timed on a GPU.
+    mma_in_flight: int = 0
 
 
 # Run 1's configuration (the fallback) and the in-kernel reduction.
@@ -177,6 +185,8 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     tma_add = c.reduce == "tma_add"
     if c.reduce not in ("xla", "tma_add"):
         raise ValueError(f"unknown reduce {c.reduce!r}")
+    if c.mma_in_flight not in (0, 1) or c.stages <= c.mma_in_flight:
+        raise ValueError(f"mma_in_flight must be 0 or 1 and below stages, got {c}")
     if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
     if addend is not None and (addend.shape != (x.shape[0], n)
@@ -246,9 +256,11 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((c.tile_m, c.tile_k), lambda kk: (0, kk),
-                                transforms=in_transforms, memory_space=plgpu.SMEM),
+                                transforms=in_transforms, memory_space=plgpu.SMEM,
+                                delay_release=c.mma_in_flight),
                 plgpu.BlockSpec((cta_n, c.tile_k), lambda kk: (0, kk),
-                                transforms=in_transforms, memory_space=plgpu.SMEM),
+                                transforms=in_transforms, memory_space=plgpu.SMEM,
+                                delay_release=c.mma_in_flight),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -262,9 +274,11 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
             out_smem=plgpu.SMEM((2, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
             scale_smem=plgpu.SMEM((c.epi_m, c.epi_n), jnp.float32),
             barriers=plgpu.Barrier(num_barriers=3),
+            # mma_in_flight: both compute warpgroups are done with a tile's stages.
+            **({"tile_done": plgpu.Barrier(num_arrivals=2)} if c.mma_in_flight else {}),
             collective_axes="wg",
         )
-        def _scope(allocs, out_smem, scale_smem, barriers):
+        def _scope(allocs, out_smem, scale_smem, barriers, tile_done=None):
             # The combined dequant scale, one (epi_m, epi_n) tile shared by all epilogues.
             @pl.when(wg == 0)
             def _load_scale():
@@ -314,6 +328,9 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                                        acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                     def _acc(acc_ref):
                         eval_pipeline(acc_ref)
+                        if c.mma_in_flight:
+                            plgpu.wgmma_wait(0)  # the tile's last wgmma read its stage
+                            plgpu.barrier_arrive(tile_done)
                         acc = acc_ref[...]
                         if entry_sync and not tma_add:
                             # The first remote store of this warpgroup waits for every peer
@@ -366,7 +383,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                 def mma(idxs, a_smem, b_smem, acc_ref):
                     b_wg = b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]
                     plgpu.wgmma(acc_ref, a_smem, b_wg.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(c.mma_in_flight)
                     return acc_ref
 
                 pipeline(mma, compute_context=compute_context)(
@@ -374,6 +391,13 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
                     w_ref.at[pl.ds(ni * cta_n, cta_n), :],
                     allocations=allocs,
                 )
+                if c.mma_in_flight:
+                    # The tile's last stage is free only once both compute warpgroups have
+                    # waited on their last wgmma (right after their main loop, so the next
+                    # tile's copies still overlap this tile's epilogue).
+                    @pl.when(wg == 2)
+                    def _tile_done():
+                        plgpu.barrier_wait(tile_done)
 
         # Every copy of this block has landed: tell each peer, then wait for all of theirs.
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)

@@ -99,6 +99,9 @@ def test_kernel_in_interpreter_inside_scan():
     (136, 512, 384, 4, 2, st.DEFAULT_CONFIG),  # two M tiles, the second partly out of bounds
     (70, 256, 256, 3, 9, st.Config(tile_m=64, stages=4)),  # out of range: clamped to L - 1
     (40, 384, 256, 2, 1, None),  # N % 256 != 0: pick_config -> NARROW_CONFIG (tp=4 MLP-up)
+    # One wgmma left in flight across K steps; 4 tiles on the interpreter's 2 blocks, so
+    # each block's second tile waits for its first (Config.mma_in_flight).
+    (136, 512, 768, 2, 1, st.Config(mma_in_flight=1)),
 ])
 def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config):
     seed = _seed()
@@ -113,10 +116,10 @@ def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config)
 _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
 
 
-def _lower_scan(impl, m=757, n=512, k=256, layers=4):
+def _lower_scan(impl, m=757, n=512, k=256, layers=4, config=None):
     def run(x8, w8, scale):
         def body(carry, layer):
-            y = st.stacked_fp8_matmul(x8, w8, layer, scale, impl=impl)
+            y = st.stacked_fp8_matmul(x8, w8, layer, scale, impl=impl, config=config)
             return carry + y[0, 0].astype(jnp.float32), None
         return lax.scan(body, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
 
@@ -156,9 +159,22 @@ def test_lowers_at_characters_57b_shapes(n, k):
     assert _weight_slices(text) == []
 
 
+def test_mma_in_flight_lowers_for_cuda_and_is_checked():
+    """Config.mma_in_flight=1 lowers at a model shape; values other than 0 and 1, or not
+    below the stage count, are refused."""
+    text = _lower_scan("pallas", m=757, n=9216, k=4608, layers=60,
+                       config=st.Config(mma_in_flight=1))
+    assert "mosaic_gpu" in text
+    for bad in (st.Config(mma_in_flight=2, stages=4), st.Config(mma_in_flight=1, stages=1)):
+        with pytest.raises(ValueError, match="mma_in_flight"):
+            _lower_scan("pallas", config=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,n", [(st.DEFAULT_CONFIG, 512), (st.Config(tile_m=64, stages=4), 512),
-                                      (None, 384)])  # None, N = 384: pick_config -> NARROW_CONFIG
+                                      (None, 384),  # None, N = 384: pick_config -> NARROW_CONFIG
+                                      # 240 tiles on 132 SMs: blocks run a second tile
+                                      (st.Config(mma_in_flight=1), 10240)])
 def test_kernel_on_gpu_inside_scan(config, n):
     if not st.is_supported():
         pytest.skip("needs an NVIDIA Hopper GPU")
