@@ -18,9 +18,7 @@
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out/gpu_gemm_tiles}
-# Default: the picked tilings with one wgmma left in flight (Config.mma_in_flight), the
-# experiment after T1-T3 (BUILD_NOTES, issue 5, "GEMM tilings").
-CONFIGS=${CONFIGS:-"m128n128s3f1 m128n64s4f1 m128n64s5f1"}
+CONFIGS=${CONFIGS:-"m128n128s3 m128n64s4 m128n128s3w2"}
 TESTS=${TESTS:-"tests/test_fp8_linear.py tests/test_fp8_gemm_stacked.py"}
 ALLREDUCE=${ALLREDUCE:-0}
 STEPS=${STEPS:-10}
