@@ -26,7 +26,10 @@ nothing is hoisted; each output goes through a barrier too, so it is materialize
                   compares with)
   torch_scaled_mm_1w  the same on one weight L times (it may stay in the 50 MB L2)
 
-Per layer = scan time / L, median over repeats.  Errors: the full [M, N] output of one
+Per layer = scan time / L, median over repeats. After all variants, every variant of a
+shape is timed again in interleaved rounds (one call of each per round) and the table
+reports those medians (the first pass's stay in the JSON as ``us_first_pass``); torch is
+timed after, on its own.  Errors: the full [M, N] output of one
 call at the last layer, and one sampled row per layer from inside the scan (layers 0,
 L/2, L-1), both against an f32 reference (x.f32 @ w[layer].f32.T * scale), relative
 Frobenius norm; memory is filled with NaN first so unwritten elements show.
@@ -176,6 +179,7 @@ def run(args):
         t_c = time.time()
         jax.block_until_ready(f(xin, w, w_last))
         compile_s = time.time() - t_c
+        compiled[(name, vname)] = (f, (xin, w, w_last))
         ts = []
         for _ in range(args.repeats):
             t1 = time.perf_counter()
@@ -198,6 +202,7 @@ def run(args):
         print(f"{name:5s} {vname:12s} {us:9.1f} us/layer  {flop / us / 1e6:7.1f} TFLOP/s"
               f"  err full {full_err:.2e} rows {max(row_errs):.2e}  (compile {compile_s:.1f} s)")
 
+    compiled = {}  # (shape, variant) -> (the jitted scan, its operands), for the re-timing
     # The comparison that matters first (every shape), then the kernel's variants.
     passes = [("xla_stacked", "kernel", "xla_single"), ("kernel_m760", "kernel_m64"),
               tuple("cfg_" + spec for spec in args.configs)]
@@ -222,7 +227,35 @@ def run(args):
                     print(f"{name:5s} {vname:12s} FAILED {res[name][vname]['error'][:300]}")
                     traceback.print_exc(limit=3)
                 save()
+    retime_interleaved(res, compiled, args.repeats, layers)
+    save()
     return res
+
+
+def retime_interleaved(res, compiled, repeats: int, layers: int):
+    """Times every measured variant of a shape again, one call each per round, ``repeats``
+    rounds, and reports those medians as 'us' (the first pass's, each variant's repeats
+    back to back, stay as 'us_first_pass'): a drift of the machine's speed then hits all
+    variants of a shape alike."""
+    import jax
+
+    for name in SHAPES:
+        keys = [key for key in compiled if key[0] == name]
+        times = {key: [] for key in keys}
+        for _ in range(repeats):
+            for key in keys:
+                f, operands = compiled[key]
+                t1 = time.perf_counter()
+                jax.block_until_ready(f(*operands))
+                times[key].append((time.perf_counter() - t1) * 1e6 / layers)
+        for key in keys:
+            r = res[name][key[1]]
+            r["us_first_pass"], r["us"] = r["us"], statistics.median(times[key])
+            r["all_us_interleaved"] = times[key]
+            r["tflops"] = res[name]["flop_per_call"] / r["us"] / 1e6
+        if keys:
+            print(f"{name:5s} interleaved: " + ", ".join(
+                f"{key[1]} {res[name][key[1]]['us']:.1f}" for key in keys))
 
 
 def time_torch(res, layers: int, repeats: int):
