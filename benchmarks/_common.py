@@ -14,3 +14,23 @@ def rel_err(out, ref) -> float:
     if not np.isfinite(out).all():
         return float("nan")
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def cuda_event_times_us(call, n_calls: int, repeats: int, warmup: int = 3) -> list[float]:
+    """PyTorch on CUDA: microseconds per call of ``call(i)``, i = 0..n_calls-1 back to back
+    between two CUDA events, once per repeat, after ``warmup`` calls (i = 0, 1, ...)."""
+    import torch
+
+    for i in range(warmup):
+        call(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n_calls):
+            call(i)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n_calls)
+    return times

@@ -57,7 +57,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import rel_err  # noqa: E402
+from _common import cuda_event_times_us, rel_err  # noqa: E402
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLS stays off on the lent machines
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -96,19 +96,7 @@ def _torch_worker(rank, world, out_path, reps):
     res = {}
 
     def timed(fn, n=reps, repeats=5):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(n):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / n)
-        return statistics.median(ts)
+        return statistics.median(cuda_event_times_us(lambda _: fn(), n, repeats))
 
     for name, (k, n, row) in per_gpu_shapes(world).items():
         x = torch.randn(M, k, device=dev).to(torch.float8_e4m3fn)
@@ -392,7 +380,7 @@ def summarize(res):
                 tv = us(f"{name}/{v}")
                 line[f"{v}_us"] = tv
                 if tv and g and ar:
-                    line[f"{v}_hidden"] = (g + ar - tv) / ar
+                    line[f"{v}_hidden"] = hidden(g, ar, tv)
                 if tv and gp and ar and v != "gemm+psum":
                     line[f"{v}_hidden_vs_pallas"] = hidden(gp, ar, tv)
             line["allreduce_us"] = ar

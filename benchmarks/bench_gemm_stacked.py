@@ -16,8 +16,9 @@ nothing is hoisted; each output goes through a barrier too, so it is materialize
 
   cfg_<spec>       the kernel on 760 rows with another tiling, ``--configs m128n64s4 ...``
                   (``parse_config``: tile_m, tile_n per warpgroup, stages, optional
-                  w<grid_tile_width>, f<mma_in_flight>): output tiles are tile_m x 2 * tile_n, so the tile
-                  count per wave of 132 SMs changes (wave quantization)
+                  w<grid_tile_width>, f<mma_in_flight>): output tiles are tile_m x
+                  2 * tile_n, so the tile count per wave of 132 SMs changes (wave
+                  quantization)
 
   torch_scaled_mm  with ``--torch`` (after the JAX variants, same process and GPU):
                   ``torch._scaled_mm(x8, w[l].t(), ...)`` -> bf16 for l = 0..L-1 (L distinct
@@ -50,7 +51,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import rel_err  # noqa: E402
+from _common import cuda_event_times_us, rel_err  # noqa: E402
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -283,17 +284,7 @@ def time_torch(res, layers: int, repeats: int):
         del ref
         flop = 2 * M * n * k
         for vname, layer_of in (("torch_scaled_mm", lambda i: i), ("torch_scaled_mm_1w", lambda i: 0)):
-            for i in range(3):
-                mm(layer_of(i))
-            ts = []
-            for _ in range(repeats):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for i in range(layers):
-                    mm(layer_of(i))
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b) * 1e3 / layers)
+            ts = cuda_event_times_us(lambda i: mm(layer_of(i)), layers, repeats)
             us = statistics.median(ts)
             res.setdefault(name, {})[vname] = {"us": us, "all_us": ts,
                                                "tflops": flop / us / 1e6, "rel_err": err}
