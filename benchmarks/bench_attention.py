@@ -99,7 +99,8 @@ def main():
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--variants", default="kv_split_s3,wt_split_s3",
                     help="kv_*: V read as stored, transposed in the kernel; wt_*: V^T built "
-                         "by XLA in the wrapper (GPU run 1's kernel)")
+                         "by XLA in the wrapper (GPU run 1's kernel); *_grid: one CTA per "
+                         "(head, query tile) instead of the stream-K schedule")
     ap.add_argument("--contenders", type=int, default=1, help="also time cuDNN/XLA/PyTorch")
     ap.add_argument("--tag", default="")
     ap.add_argument("--log", default="", help="json-lines log (default: in --out)")
@@ -133,9 +134,11 @@ def main():
     except Exception:  # torch absent
         have_torch = False
 
-    variants = {f"{vk}_{qs}_s{st}": dict(stages=st, q_split=(qs == "split"),
-                                         v_in_kernel=(vk == "kv"))
-                for vk in ("kv", "wt") for qs in ("split", "single") for st in (2, 3, 4)}
+    variants = {f"{vk}_{qs}_s{st}{sched}": dict(stages=st, q_split=(qs == "split"),
+                                                v_in_kernel=(vk == "kv"),
+                                                persistent=not sched)
+                for vk in ("kv", "wt") for qs in ("split", "single") for st in (2, 3, 4)
+                for sched in ("", "_grid")}
     for h in heads:
         flops = 4 * TQ * S * D * h
         q, k8, v8, ks, vs, valid = make_inputs(h, seed=h)
@@ -161,9 +164,13 @@ def main():
                 else:
                     q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
                         q, v8, ks, vs, valid, 128, kw["q_split"])
+                nb = -(-S // 128)
+                ctas = (fa.stream_k_ctas(h * -(-TQ // 128), nb, kw["stages"], None)
+                        if kw["persistent"] else None)
                 raw_fn = jax.jit(lambda a, b, c, d_, e: fa._fp8_attention_call(
                     a, b, c, d_, e, tq=TQ, block_kv=128, stages=kw["stages"],
-                    out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=kw["v_in_kernel"]))
+                    out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=kw["v_in_kernel"],
+                    num_ctas=ctas))
                 raw = poisoned_call(lambda: raw_fn(q8, k8, vt, sc, bias), 768 * h * D * 2)
                 err = rel_err(out, ref)
                 finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
@@ -176,7 +183,7 @@ def main():
                 mask_ok = bool((out2.astype(jnp.float32) == out.astype(jnp.float32)).all())
                 tot, br, nk = cupti_times(lambda: f(q, k8, v8, ks, vs, valid), args.iters)
                 kt, kbr, _ = cupti_times(lambda: raw_fn(q8, k8, vt, sc, bias), args.iters)
-                record(heads=h, impl=name, us_total=tot, us_kernel=kt,
+                record(heads=h, impl=name, us_total=tot, us_kernel=kt, ctas=ctas or h * -(-TQ // 128),
                        tflops_total=flops / tot / 1e6, tflops_kernel=flops / kt / 1e6,
                        rel_err=err, finite=finite, all_rows_written=raw_finite,
                        masked_no_influence=mask_ok, kernels_per_call=nk,
@@ -265,13 +272,13 @@ def attn_kernel_us(breakdown):
 
 
 def print_table(results):
-    print("\nheads impl                      us_total  TF/s  us_kernel TF/s_k  rel_err  ok")
+    print("\nheads impl                           us_total  TF/s  us_kernel TF/s_k  rel_err  ok")
     for r in results:
         if "error" in r:
-            print(f"{r['heads']:>5} {r['impl']:<25} ERROR {r['error'][:90]}")
+            print(f"{r['heads']:>5} {r['impl']:<30} ERROR {r['error'][:90]}")
             continue
         ok = all(r.get(x, True) for x in ("finite", "all_rows_written", "masked_no_influence"))
-        print(f"{r['heads']:>5} {r['impl']:<25} {r['us_total']:8.1f} {r['tflops_total']:5.0f}"
+        print(f"{r['heads']:>5} {r['impl']:<30} {r['us_total']:8.1f} {r['tflops_total']:5.0f}"
               f"  {r.get('us_kernel', float('nan')):8.1f} {r.get('tflops_kernel', float('nan')):5.0f}"
               f"  {r.get('rel_err') if r.get('rel_err') is None else round(r['rel_err'], 4)!s:>7}  {ok}")
 

@@ -1,28 +1,37 @@
 #!/usr/bin/env bash
 # One device call (2 x H200): FP8 attention tests and benchmark, every stage under its own
-# timeout, logs under $OUT (7 files). GPU 0: benchmark, contenders and GPU run 1's kernel
-# (V^T built by XLA) first, then the in-kernel-V variants, so that a failing or hanging
+# timeout, logs under $OUT (7 files). GPU 0: benchmark; first the contenders and the known
+# kernel (VARIANTS_A), then the new variants (VARIANTS_B), so that a failing or hanging
 # new variant cannot cost the known numbers. GPU 1, in parallel: the GPU tests.
 # CPU tests in the background on the host.
 # Usage: OUT=/some/dir bash benchmarks/run_attention_gpu.sh
+# Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2_grid: one CTA per tile), VARIANTS_B
+# (kv_split_s2,kv_split_s3: the stream-K schedule), CONTENDERS (1: cuDNN, XLA, PyTorch),
+# ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
+HEADS=${HEADS:-18,36,72}
+VARIANTS_A=${VARIANTS_A:-kv_split_s2_grid}
+VARIANTS_B=${VARIANTS_B:-kv_split_s2,kv_split_s3}
+CONTENDERS=${CONTENDERS:-1}
+ITERS=${ITERS:-20}
 ( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
     tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/cpu_tests.txt" 2>&1 &
 ( nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
-  CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider \
-    tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/gpu_tests.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout "${T_TESTS:-300}" python3 -m pytest -v -s -m gpu \
+    -p no:cacheprovider tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/gpu_tests.txt" 2>&1 &
 export CUDA_VISIBLE_DEVICES=0
-timeout 80 python3 benchmarks/bench_attention.py --out "$OUT" --tag _a --iters 20 \
-    --log /tmp/bench_log_a.txt --variants wt_split_s3 --contenders 1 > "$OUT/bench_a.txt" 2>&1
+timeout "${T_A:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _a \
+    --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_a.txt --variants "$VARIANTS_A" \
+    --contenders "$CONTENDERS" > "$OUT/bench_a.txt" 2>&1
 echo "bench_a rc=$?"
-timeout 60 python3 benchmarks/bench_attention.py --out "$OUT" --tag _b --iters 20 \
-    --log /tmp/bench_log_b.txt --variants kv_split_s3,kv_split_s2,kv_single_s3 \
+timeout "${T_B:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _b \
+    --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_b.txt --variants "$VARIANTS_B" \
     --contenders 0 > "$OUT/bench_b.txt" 2>&1
 echo "bench_b rc=$?"
 wait
-grep -h "rel_err\|passed\|failed\|rc=\|Error" "$OUT/gpu_tests.txt" | cut -c1-250 | tail -25
+grep -h "rel_err\|stream-K\|passed\|failed\|rc=\|Error" "$OUT/gpu_tests.txt" | cut -c1-250 | tail -40
 tail -3 "$OUT/cpu_tests.txt"
 grep -h "Error\|error" "$OUT/bench_a.txt" "$OUT/bench_b.txt" | cut -c1-300 | head -8
 python3 benchmarks/bench_attention.py --table "$OUT/attention_results_a.json" \

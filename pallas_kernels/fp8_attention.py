@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -276,8 +277,49 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     return q8, scales, bias, vt
 
 
+def stream_k_ctas(n_tiles: int, nb: int, stages: int, num_sms: int | None) -> int:
+    """How many CTAs the persistent (stream-K) schedule launches for ``n_tiles`` tiles of
+    ``nb`` KV blocks: one per SM, fewer when a CTA would get under 2 * stages blocks (the
+    pipeline's fill would dominate), never fewer than needed to stay one wave."""
+    units = n_tiles * nb
+    sms = num_sms or _device_sm_count()
+    return max(1, min(sms, units // max(2 * stages, 1)))
+
+
+def _device_sm_count() -> int:
+    from pallas_kernels.fp8_gemm_allreduce import device_sm_count
+    return device_sm_count()
+
+
+def stream_k_ranges(units: int, num_ctas: int) -> np.ndarray:
+    """[num_ctas + 1] int: CTA c takes the work units [r[c], r[c + 1]) (as the kernel
+    computes them: c * units // num_ctas)."""
+    return (np.arange(num_ctas + 1, dtype=np.int64) * units) // num_ctas
+
+
+def stream_k_cta_of(unit, units: int, num_ctas: int, div=operator.floordiv):
+    """The CTA whose range [c * units // num_ctas, (c + 1) * units // num_ctas) holds work
+    unit ``unit`` (numpy or, with ``div=lax.div``, traced int32)."""
+    return div((unit + 1) * num_ctas + units - 1, units) - 1
+
+
+def _fence_proxy_async_global():
+    """Orders this thread's generic-proxy accesses to global memory with async-proxy (TMA)
+    ones: after a semaphore wait, before TMA reads of what the signaller wrote, and after
+    TMA writes have completed, before the signal."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
-                        clip_out=True, v_in_kernel=False, layer=None):
+                        clip_out=True, v_in_kernel=False, layer=None, num_ctas=None):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -293,7 +335,19 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     layer: None, or a [1] int32 array (needs v_in_kernel); then k8 and vt are the whole
     cache stacks [L, S, H, D] and the kernel reads layer ``layer`` (clamped to [0, L))
     in place: it indexes the GMEM refs with it before the TMA copies, so XLA never
-    copies the layer's K/V out of the stack."""
+    copies the layer's K/V out of the stack.
+
+    num_ctas: the schedule. The work is H * n_qtiles tiles (tile t: head t // n_qtiles,
+    query rows 128 * (t % n_qtiles) ...) of nb KV blocks each, nb * H * n_qtiles units in
+    all, in that order; CTA c takes units [c * W // C, (c + 1) * W // C). None (or the
+    tile count): one tile per CTA, the plain grid (108 CTAs at 18 heads: 82% of 132 SMs).
+    Fewer CTAs than tiles (one per SM): stream-K. A CTA's range then cuts tiles: the CTA
+    that holds a tile's first KV block (its "owner"; that segment is the last of its
+    range) finishes the tile; the others (each a CTA's first segment, so done early)
+    write a bf16 partial output, normalized, with its log2-sum-exp per row, and signal a
+    semaphore; the owner waits for them (no wait in practice), merges and stores. Needs
+    every CTA resident at once (num_ctas <= SMs, one CTA per SM by its shared memory).
+    """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
     from jax.experimental import mosaic as _mosaic  # noqa: F401
@@ -311,9 +365,22 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     nb = -(-s_len // block_kv)
     stages = min(stages, nb)
     n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
+    n_tiles = h * n_qtiles
+    units = n_tiles * nb
+    num_ctas = n_tiles if num_ctas is None else int(num_ctas)
+    if not 1 <= num_ctas <= units:
+        raise ValueError(f"num_ctas must be in [1, {units}], got {num_ctas}")
+    if units * (num_ctas + 1) >= 2**31:
+        raise ValueError(f"{units} work units x {num_ctas} CTAs overflow int32")
+    ranges = stream_k_ranges(units, num_ctas)
+    # Partials exist when some CTA starts inside a tile.
+    has_partials = bool(np.any(ranges[:-1] % nb != 0))
+    if has_partials and np.any(np.diff(ranges) < 1):
+        raise ValueError("every CTA needs at least one KV block")
     out_rows = tq if clip_out else tq_pad
     if d != 128:
         raise NotImplementedError(f"the FP8 kernel handles head_dim 128, got {d}")
+    n_part_slots = num_ctas if has_partials else 1
 
     def to_8bit_a(p8):
         """Regroup an e4m3 [64, bkv] array from the WGMMA layout (pairs) into the
@@ -340,100 +407,170 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
         return regroup(p8)
 
-    def kernel(q_refs, k_ref, vt_ref, sc_ref, bias_ref, out_ref, scoped, layer_ref=None):
+    def kernel(q_refs, k_ref, vt_ref, sc_ref, bias_ref, out_ref, part_ref, lse_ref, scoped,
+               layer_ref=None):
         if layer_ref is not None:
             # Views of layer `li` of the stacks (clamped like lax.dynamic_slice): no copy.
             li = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
             k_ref, vt_ref = k_ref.at[li], vt_ref.at[li]
-        head = lax.axis_index("heads")
+        cta = lax.axis_index("ctas")
+        u0 = lax.div(cta * units, num_ctas)
+        u1 = lax.div((cta + 1) * units, num_ctas)
+        n_steps = u1 - u0
         wg = lax.axis_index("wg")
-        (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem), bars = scoped
+        (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem,
+         lse_smem2), bars = scoped
         (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
+        p_bars = bars[3]
         if v_in_kernel:
             # q_smem2 = (tiled view for the wgmma, untiled view for the TMA)
             q_smem2, q_smem2_tma = q_smem2
             # v_smem = (tiled V^T for the wgmma, plain alias for the transpose)
             v_smem, vt_plain = v_smem
-            v_raw, v_raw_bars = bars[3]
+            v_raw, v_raw_bars = bars[4]
+        sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas * COMPUTE_WGS,)))
+                if has_partials else None)
 
         def schedule_barrier():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
+        def head_block(unit):
+            tile = lax.div(unit, nb)
+            return lax.div(tile, n_qtiles), unit - tile * nb
+
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             q_smem, o_smem, sc_smem = q_smem2.at[wg], o_smem2.at[wg], sc_smem2.at[wg]
-            q0 = (lax.axis_index("q_tiles") * COMPUTE_WGS + wg) * BLOCK_Q
+            lse_smem = lse_smem2.at[wg]
             q_dst = q_smem2_tma.at[wg] if v_in_kernel else q_smem
-            for part in range(n_parts):
-                # v_in_kernel: rows past Tq are zero-filled by TMA (no padded copy of Q)
-                plgpu.copy_gmem_to_smem(q_refs[part].at[pl.ds(q0, BLOCK_Q), head],
-                                        q_dst.at[part], q_bars.at[wg])
-            plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)], sc_smem,
-                                    q_bars.at[wg])
-            plgpu.barrier_wait(q_bars.at[wg])
-            row_scale = plgpu.load(sc_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-
-            m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
-                                    plgpu.Layout.WGMMA)
             plgpu.barrier_wait(k_bars.at[0])
             pl.when(wg == 1)(schedule_barrier)
 
-            def kv_step(j, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(j, stages)
+            @pl.loop(lax.div(u0, nb), lax.div(u1 - 1, nb) + 1)
+            def _segment(t):
+                head = lax.div(t, n_qtiles)
+                q0 = ((t - head * n_qtiles) * COMPUTE_WGS + wg) * BLOCK_Q
+                jb = jnp.maximum(u0 - t * nb, 0)
+                je = jnp.minimum(u1 - t * nb, nb)
+                for part in range(n_parts):
+                    # v_in_kernel: rows past Tq are zero-filled by TMA (no padded copy of Q)
+                    plgpu.copy_gmem_to_smem(q_refs[part].at[pl.ds(q0, BLOCK_Q), head],
+                                            q_dst.at[part], q_bars.at[wg])
+                plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)], sc_smem,
+                                        q_bars.at[wg])
+                plgpu.barrier_wait(q_bars.at[wg])
+                row_scale = plgpu.load(sc_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
 
-                def qk(acc_ref):
-                    for part in range(n_parts):  # s = (q_hi + q_lo) . k
-                        plgpu.wgmma(acc_ref, q_smem.at[part], k_smem.at[slot].T)
-                    schedule_barrier()
-                    return acc_ref[...]
+                m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA)
 
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_done.at[slot])
-                b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
-                     + lax.broadcast_in_dim(b, s.shape, [1]))
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p8 = to_8bit_a(p.astype(F8))
-                acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bars.at[slot])
-                plgpu.barrier_wait(sched)
+                def kv_step(j, carry):
+                    acc, m_i, l_i = carry
+                    step = t * nb + j - u0  # this CTA's pipeline step
+                    slot = lax.rem(step, stages)
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
-                    nxt = j + 1
+                    def qk(acc_ref):
+                        for part in range(n_parts):  # s = (q_hi + q_lo) . k
+                            plgpu.wgmma(acc_ref, q_smem.at[part], k_smem.at[slot].T)
+                        schedule_barrier()
+                        return acc_ref[...]
 
-                    @pl.when(nxt < nb)
-                    def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_done.at[slot])
+                    b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+                         + lax.broadcast_in_dim(b, s.shape, [1]))
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p8 = to_8bit_a(p.astype(F8))
+                    acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_bars.at[slot])
+                    plgpu.barrier_wait(sched)
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_done.at[slot])
-                return acc, m_new, l_i
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
+                        nxt = step + 1
 
-            acc, m_i, l_i = lax.fori_loop(0, nb, kv_step, (acc, m_i, l_i))
+                        @pl.when(nxt < n_steps)
+                        def _():
+                            plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    return acc, m_new, l_i
+
+                acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
+
+                def store_output(acc, l_i):
+                    out_scale = plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+                    acc = acc * lax.broadcast_in_dim(out_scale / l_i, acc.shape, [0])
+                    o_smem[...] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(q0, BLOCK_Q), head])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+                if not has_partials:
+                    store_output(acc, l_i)
+                    return
+
+                @pl.when(jb > 0)
+                def _write_partial():
+                    # Normalized partial output (bf16) and its log2-sum-exp per row.
+                    lse = m_i + jnp.log2(l_i)
+                    o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
+                                   ).astype(out_dtype)
+                    lse_smem[...] = lax.broadcast_in_dim(lse, (BLOCK_Q, 8), [0])
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, part_ref.at[cta, wg])
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[cta, wg])
+                    plgpu.wait_smem_to_gmem(0)  # written, not only read
+                    _fence_proxy_async_global()
+                    plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1,
+                                           memory_scope="gpu")
+
+                @pl.when(jb == 0)
+                def _finish():
+                    def merge(c2, carry):
+                        acc, m_i, l_i = carry
+                        plgpu.semaphore_wait(sems.at[c2 * COMPUTE_WGS + wg], 1,
+                                             decrement=False, memory_scope="gpu")
+                        _fence_proxy_async_global()
+                        # o_smem: a partial is loaded and the output stored with the same
+                        # layout, so each thread reads and writes the same addresses.
+                        plgpu.copy_gmem_to_smem(part_ref.at[c2, wg], o_smem, p_bars.at[wg])
+                        plgpu.copy_gmem_to_smem(lse_ref.at[c2, wg], lse_smem, p_bars.at[wg])
+                        plgpu.barrier_wait(p_bars.at[wg])
+                        lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA).max(axis=1)
+                        m_new = jnp.maximum(m_i, lse)
+                        a_own = jnp.exp2(m_i - m_new)
+                        a_part = jnp.exp2(lse - m_new)
+                        o_part = o_smem[...].astype(jnp.float32)
+                        acc = (acc * lax.broadcast_in_dim(a_own, acc.shape, [0])
+                               + o_part * lax.broadcast_in_dim(a_part, acc.shape, [0]))
+                        return acc, m_new, l_i * a_own + a_part
+
+                    # Partials of this tile: the CTAs after this one up to the tile's end.
+                    last = stream_k_cta_of(t * nb + nb - 1, units, num_ctas, lax.div)
+                    acc2, _, l2 = lax.fori_loop(cta + 1, last + 1, merge, (acc, m_i, l_i))
+                    store_output(acc2, l2)
+
             pl.when(wg == 0)(schedule_barrier)
-            out_scale = plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
-            acc = acc * lax.broadcast_in_dim(out_scale / l_i, acc.shape, [0])
-            o_smem[...] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(q0, BLOCK_Q), head])
             plgpu.wait_smem_to_gmem(0)
 
-        def issue_k(j, slot):
-            """K and the slot bias of KV block j into stage `slot` (rows past S: TMA zeros,
-            masked by the bias)."""
+        def issue_k(unit, slot):
+            """K and the slot bias of work unit `unit` into stage `slot` (rows past S:
+            TMA zeros, masked by the bias)."""
+            head, j = head_block(unit)
             plgpu.copy_gmem_to_smem(k_ref.at[pl.ds(j * block_kv, block_kv), head],
                                     k_smem_tma.at[slot], k_bars.at[slot])
             plgpu.copy_gmem_to_smem(bias_ref.at[pl.ds(j * block_kv, block_kv)],
@@ -443,62 +580,68 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             # 232 + 232 + 40 = 504 = 3 x 168, the registers the CTA is launched with.
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue_v(j, slot):
+            def issue_v(unit, slot):
+                head, j = head_block(unit)
                 plgpu.copy_gmem_to_smem(vt_ref.at[pl.ds(j * block_kv, block_kv), head],
                                         v_raw.at[slot], v_raw_bars.at[slot])
 
             for i in range(stages):
-                issue_k(jnp.int32(i), i)
-                issue_v(jnp.int32(i), i)
+                @pl.when(i < n_steps)
+                def _(i=i):
+                    issue_k(u0 + i, i)
+                    issue_v(u0 + i, i)
 
-            @pl.loop(0, nb)
-            def _(j):
-                # K of block j - 1 + stages once both warpgroups' Q.K of block j - 1 is
+            @pl.loop(0, n_steps)
+            def _(i):
+                # K of step i - 1 + stages once both warpgroups' Q.K of step i - 1 is
                 # done; first, so that a K load never waits behind a transpose.
-                @pl.when(jnp.logical_and(j >= 1, j - 1 + stages < nb))
+                @pl.when(jnp.logical_and(i >= 1, i - 1 + stages < n_steps))
                 def _():
-                    ps = lax.rem(j - 1, stages)
+                    ps = lax.rem(i - 1, stages)
                     plgpu.barrier_wait(k_done.at[ps])
-                    issue_k(j - 1 + stages, ps)
+                    issue_k(u0 + i - 1 + stages, ps)
 
-                slot = lax.rem(j, stages)
+                slot = lax.rem(i, stages)
                 plgpu.barrier_wait(v_raw_bars.at[slot])
 
-                @pl.when(j >= stages)
-                def _():  # the P.V of block j - stages has finished reading V^T[slot]
+                @pl.when(i >= stages)
+                def _():  # the P.V of step i - stages has finished reading V^T[slot]
                     plgpu.barrier_wait(v_done.at[slot])
 
                 _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
                 plgpu.commit_smem()  # generic-proxy stores -> visible to the wgmma
                 plgpu.barrier_arrive(v_bars.at[slot])
 
-                @pl.when(j + stages < nb)
+                @pl.when(i + stages < n_steps)
                 def _():
-                    issue_v(j + stages, slot)
+                    issue_v(u0 + i + stages, slot)
 
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(j, slot):
-                issue_k(j, slot)
+            def issue(unit, slot):
+                issue_k(unit, slot)
+                head, j = head_block(unit)
                 plgpu.copy_gmem_to_smem(vt_ref.at[head, :, pl.ds(j * block_kv, block_kv)],
                                         v_smem.at[slot], v_bars.at[slot])
 
             for i in range(stages):
-                issue(jnp.int32(i), i)
+                pl.when(i < n_steps)(lambda i=i: issue(u0 + i, i))
 
-            @pl.loop(0, nb - stages)
-            def _(j):
-                slot = lax.rem(j, stages)
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _(i):
+                slot = lax.rem(i, stages)
                 plgpu.barrier_wait(k_done.at[slot])
                 plgpu.barrier_wait(v_done.at[slot])
-                issue(j + stages, slot)
+                issue(u0 + i + stages, slot)
 
         pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if v_in_kernel else _memory)
 
     def entry(*refs):
         q_refs, (k_ref, vt_ref, sc_ref, bias_ref) = refs[:n_parts], refs[n_parts:n_parts + 4]
-        layer_ref, out_ref = refs[n_parts + 4:] if stacked else (None, refs[n_parts + 4])
+        rest = refs[n_parts + 4:]
+        layer_ref, rest = (rest[0], rest[1:]) if stacked else (None, rest)
+        out_ref, part_ref, lse_ref = rest
         sw = plgpu.SwizzleTransform(128)
         t8 = plgpu.TilingTransform((8, 128))
         t16 = plgpu.TilingTransform((8, 64))
@@ -510,6 +653,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             # The plain alias sees the same bytes; _transpose_v_block applies the 128-byte
             # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
             vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
+        lse_rows = BLOCK_Q if has_partials else 8  # stream-K partials' lse (unused else)
         smem = (
             q_spec,
             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw)),
@@ -521,6 +665,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                            plgpu.SMEM((stages, block_kv, d), F8, transforms=(sw,))),
             vt_spec,
             plgpu.SMEM((stages, block_kv), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, lse_rows, 8), jnp.float32),
         )
         bars = (
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -528,38 +673,47 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
              plgpu.Barrier(num_arrivals=n_parts + 1, num_barriers=COMPUTE_WGS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # partial loads
         )
         if v_in_kernel:  # untransposed V staging buffers and their TMA barriers
             bars = bars + ((plgpu.SMEM((stages, block_kv, d), F8),
                             plgpu.Barrier(num_barriers=stages)),)
+        n_smem = len(smem)
         pl.run_scoped(
             lambda *scoped: kernel(q_refs, k_ref, vt_ref, sc_ref, bias_ref, out_ref,
-                                   (scoped[:6], scoped[6:]), layer_ref),
+                                   part_ref, lse_ref, (scoped[:n_smem], scoped[n_smem:]),
+                                   layer_ref),
             *smem, *bars, collective_axes="wg")
 
-    return plgpu.kernel(
+    out, _, _ = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((out_rows, h, d), out_dtype),
-        grid=(h, n_qtiles),
-        grid_names=("heads", "q_tiles"),
+        out_type=(jax.ShapeDtypeStruct((out_rows, h, d), out_dtype),
+                  jax.ShapeDtypeStruct((n_part_slots, COMPUTE_WGS, BLOCK_Q, d), out_dtype),
+                  jax.ShapeDtypeStruct((n_part_slots, COMPUTE_WGS, BLOCK_Q, 8), jnp.float32)),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(*q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
-                                             "v_in_kernel"))
+                                             "v_in_kernel", "persistent", "num_sms"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
-                     v_in_kernel: bool = True):
+                     v_in_kernel: bool = True, persistent: bool = True,
+                     num_sms: int | None = None):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
     D == 128. v_in_kernel=True: V is read as stored and transposed in the kernel (and
     with ``layer`` the [L, S, H, D] stacks are read in place); False: the wrapper builds
-    a permuted V^T with XLA (GPU run 1's kernel).
+    a permuted V^T with XLA (GPU run 1's kernel). persistent=True: the stream-K schedule
+    over ``num_sms`` CTAs (default: the device's SMs, see :func:`stream_k_ctas`); False:
+    one CTA per (head, 128-query tile).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -567,19 +721,20 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     if layer is not None and not v_in_kernel:
         k, v = _layer_of(k, layer), _layer_of(v, layer)
         layer = None
+    n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
+    nb = -(-k.shape[-3] // block_kv)
+    num_ctas = stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None
+    call = functools.partial(_fp8_attention_call, block_kv=block_kv, stages=stages,
+                             out_dtype=jnp.bfloat16, clip_out=clip_out, num_ctas=num_ctas)
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
         layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-        out = _fp8_attention_call(q8, k, v, scales, bias, tq=tq, block_kv=block_kv,
-                                  stages=stages, out_dtype=jnp.bfloat16, clip_out=clip_out,
-                                  v_in_kernel=True, layer=layer_arr)
-        return out[:tq].astype(q.dtype)
-    q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
-                                           q_split)
-    out_dtype = jnp.bfloat16
-    out = _fp8_attention_call(q8, k, vt, scales, bias, tq=tq, block_kv=block_kv,
-                              stages=stages, out_dtype=out_dtype, clip_out=clip_out)
+        out = call(q8, k, v, scales, bias, tq=tq, v_in_kernel=True, layer=layer_arr)
+    else:
+        q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
+                                               q_split)
+        out = call(q8, k, vt, scales, bias, tq=tq)
     return out[:tq].astype(q.dtype)
 
 

@@ -166,9 +166,86 @@ def test_kernel_algorithm_emulated_on_cpu():
     assert _rel(out[:tq], ref) < 1.5e-2
 
 
-@pytest.mark.parametrize("v_in_kernel,q_split,stages", [
-    (True, True, 3), (True, True, 2), (True, False, 3), (False, True, 3)])
-def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages):
+def _stream_k_segments(n_tiles, nb, num_ctas):
+    """The kernel's per-CTA segments: [(cta, tile, jb, je)], in each CTA's order."""
+    units = n_tiles * nb
+    r = fa.stream_k_ranges(units, num_ctas)
+    segs = []
+    for c in range(num_ctas):
+        u0, u1 = int(r[c]), int(r[c + 1])
+        for t in range(u0 // nb, (u1 - 1) // nb + 1):
+            segs.append((c, t, max(u0 - t * nb, 0), min(u1 - t * nb, nb)))
+    return segs
+
+
+@pytest.mark.parametrize("n_tiles,nb,num_ctas", [
+    (108, 46, 132),  # 18 heads at the model shape: every tile cut, some in three
+    (216, 46, 132),  # 36 heads: 75 blocks per CTA
+    (12, 46, 132),   # 2 heads: 4-5 blocks per CTA, a tile over 11 CTAs
+    (5, 3, 7), (4, 8, 4), (108, 46, 108)])
+def test_stream_k_schedule_and_merge_emulated(n_tiles, nb, num_ctas):
+    """The stream-K schedule as the kernel computes it: every (tile, KV block) is done
+    once; a segment that does not start a tile is its CTA's first; the owner's partial
+    range (CTAs after it up to ``stream_k_cta_of`` of the tile's last unit) is exactly the
+    CTAs that hold the rest of the tile; and the merge of bf16 normalized partials with
+    their log2-sum-exp, in the kernel's order, gives the tile's softmax average."""
+    segs = _stream_k_segments(n_tiles, nb, num_ctas)
+    done = np.zeros((n_tiles, nb), int)
+    first_of_cta = {}
+    for c, t, jb, je in segs:
+        assert jb < je
+        done[t, jb:je] += 1
+        first_of_cta.setdefault(c, (t, jb))
+    assert (done == 1).all()
+    units = n_tiles * nb
+    rng = np.random.default_rng(n_tiles * 1000 + nb)
+    rows, bkv, d = 4, 8, 16
+    for t in range(n_tiles if n_tiles < 20 else 20):
+        s = rng.normal(size=(rows, nb * bkv)) * 3.0  # logits, log2 domain
+        s[:, : bkv // 2] = -1e30  # masked slots (finite bias, as in the kernel)
+        v = rng.normal(size=(nb * bkv, d))
+        parts = {}
+        owner = None
+        for c, tt, jb, je in segs:
+            if tt != t:
+                continue
+            blk = slice(jb * bkv, je * bkv)
+            m = s[:, blk].max(1)
+            p = np.exp2(s[:, blk] - m[:, None])
+            acc, l = p @ v[blk], p.sum(1)
+            if jb > 0:
+                assert first_of_cta[c] == (t, jb)
+                o = np.asarray(jnp.asarray(acc / l[:, None], jnp.bfloat16), np.float64)
+                parts[c] = (o, np.float32(m + np.log2(l)))
+            else:
+                owner = (c, acc, m, l)
+        c, acc, m, l = owner
+        last = fa.stream_k_cta_of(t * nb + nb - 1, units, num_ctas)
+        assert sorted(parts) == list(range(c + 1, last + 1))
+        for c2 in range(c + 1, last + 1):
+            o, lse = parts[c2]
+            m_new = np.maximum(m, lse)
+            a_own, a_part = np.exp2(m - m_new), np.exp2(lse - m_new)
+            acc = acc * a_own[:, None] + o * a_part[:, None]
+            l, m = l * a_own + a_part, m_new
+        p = np.exp2(s - s.max(1, keepdims=True))
+        want = (p / p.sum(1, keepdims=True)) @ v
+        np.testing.assert_allclose(acc / l[:, None], want, rtol=0, atol=2e-2)
+        assert _rel(acc / l[:, None], want) < 5e-3
+
+
+def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
+    assert fa.stream_k_ctas(108, 46, 2, 132) == 132
+    assert fa.stream_k_ctas(1, 3, 2, 132) == 1  # too little work: one CTA
+    assert fa.stream_k_ctas(2, 46, 2, 132) == 23  # >= 2 x stages blocks each
+    r = fa.stream_k_ranges(108 * 46, 132)
+    assert np.diff(r).max() - np.diff(r).min() <= 1  # balanced to one KV block
+
+
+@pytest.mark.parametrize("v_in_kernel,q_split,stages,persistent", [
+    (True, True, 3, True), (True, True, 2, True), (True, True, 2, False),
+    (True, False, 3, True), (False, True, 3, True)])
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
     tq, s, h, d = 757, 5788, 2, 128
@@ -179,7 +256,8 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages):
     try:
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
-            stages=stages).lower(lowering_platforms=("cuda",))
+            stages=stages, persistent=persistent, num_sms=132).lower(
+                lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
     text = lowered.as_text(debug_info=False)
@@ -234,25 +312,53 @@ def _require_hopper():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
 @pytest.mark.parametrize("v_in_kernel", [True, False])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 2, 200, None),   # the model's shape, sink prefix masked
     (200, 700, 3, 0, 300),       # short, ring partly filled, S not a multiple of 128
     (64, 128, 1, 10, None),
 ])
-def test_kernel_matches_reference(tq, s, h, masked_prefix, ring_filled, v_in_kernel):
+def test_kernel_matches_reference(tq, s, h, masked_prefix, ring_filled, v_in_kernel,
+                                  persistent):
     _require_hopper()
     d = 128
     q, k, v, ks, vs = _inputs(jax.random.key(tq + s), tq, s, h, d)
     valid = _valid(s, sink=min(1246, s // 2), masked_prefix=masked_prefix,
                    ring_filled=ring_filled)
-    out = fa.attention_pallas(q, k, v, ks, vs, valid, v_in_kernel=v_in_kernel)
+    out = fa.attention_pallas(q, k, v, ks, vs, valid, v_in_kernel=v_in_kernel,
+                              persistent=persistent)
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all()
     err = _rel(out, ref)
-    print(f"rel_err tq={tq} s={s} h={h} v_in_kernel={v_in_kernel}: {err:.4g}")
+    print(f"rel_err tq={tq} s={s} h={h} v_in_kernel={v_in_kernel} "
+          f"persistent={persistent}: {err:.4g}")
     assert err < 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,num_sms", [(18, None), (36, None), (3, 132), (2, 20)])
+def test_stream_k_matches_grid_and_reference(h, num_sms):
+    """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
+    two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
+    one-tile-per-CTA grid and the float32 reference; every row written (NaN-filled
+    memory reused first)."""
+    _require_hopper()
+    tq, s, d = 757, 5788, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(h), tq, s, h, d)
+    valid = _valid(s, sink=1246, masked_prefix=200)
+    jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
+    sk = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, num_sms=num_sms), np.float32)
+    grid = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, persistent=False),
+                      np.float32)
+    ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
+    assert np.isfinite(sk).all()
+    err, err_grid, diff = _rel(sk, ref), _rel(grid, ref), _rel(sk, grid)
+    print(f"stream-K h={h} num_sms={num_sms}: rel_err {err:.4g} (grid {err_grid:.4g}), "
+          f"vs grid {diff:.3g}")
+    assert err < 3e-2
+    assert diff < 1e-2  # bf16 partials: a rounding apart
 
 
 @pytest.mark.gpu
