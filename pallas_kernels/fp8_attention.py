@@ -381,6 +381,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     if d != 128:
         raise NotImplementedError(f"the FP8 kernel handles head_dim 128, got {d}")
     n_part_slots = num_ctas if has_partials else 1
+    # Q of a CTA's next tile is prefetched into a second buffer while the current one
+    # runs, where a CTA has several tiles and the shared memory allows it.
+    kb = 1024
+    smem_one_q = (COMPUTE_WGS * n_parts * BLOCK_Q * d + COMPUTE_WGS * BLOCK_Q * d * 2
+                  + (3 if v_in_kernel else 2) * stages * block_kv * d + 8 * kb)
+    n_qbuf = 2 if (num_ctas != n_tiles and
+                   smem_one_q + COMPUTE_WGS * n_parts * BLOCK_Q * d <= 224 * kb) else 1
 
     def to_8bit_a(p8):
         """Regroup an e4m3 [64, bkv] array from the WGMMA layout (pairs) into the
@@ -421,6 +428,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem,
          lse_smem2), bars = scoped
         (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
+        t_first, t_last = lax.div(u0, nb), lax.div(u1 - 1, nb)
+        # A CTA whose first segment is a partial signals it after the next segment's first
+        # KV step (its TMA store has long completed by then), or at once if it has no other.
+        signal_step = (t_first + 1) * nb - u0
+        defer_signal = jnp.logical_and(u0 - t_first * nb > 0, signal_step < n_steps)
         p_bars = bars[3]
         if v_in_kernel:
             # q_smem2 = (tiled view for the wgmma, untiled view for the TMA)
@@ -442,25 +454,48 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
-            q_smem, o_smem, sc_smem = q_smem2.at[wg], o_smem2.at[wg], sc_smem2.at[wg]
-            lse_smem = lse_smem2.at[wg]
-            q_dst = q_smem2_tma.at[wg] if v_in_kernel else q_smem
-            plgpu.barrier_wait(k_bars.at[0])
-            pl.when(wg == 1)(schedule_barrier)
+            o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+            q_dst2 = q_smem2_tma if v_in_kernel else q_smem2
 
-            @pl.loop(lax.div(u0, nb), lax.div(u1 - 1, nb) + 1)
-            def _segment(t):
+            def tile_rows(t):
                 head = lax.div(t, n_qtiles)
-                q0 = ((t - head * n_qtiles) * COMPUTE_WGS + wg) * BLOCK_Q
-                jb = jnp.maximum(u0 - t * nb, 0)
-                je = jnp.minimum(u1 - t * nb, nb)
+                return head, ((t - head * n_qtiles) * COMPUTE_WGS + wg) * BLOCK_Q
+
+            def issue_q(t, buf):
+                """Q (all parts) and the row scales of tile t into buffer ``buf``."""
+                head, q0 = tile_rows(t)
+                bar = q_bars.at[buf * COMPUTE_WGS + wg]
                 for part in range(n_parts):
                     # v_in_kernel: rows past Tq are zero-filled by TMA (no padded copy of Q)
                     plgpu.copy_gmem_to_smem(q_refs[part].at[pl.ds(q0, BLOCK_Q), head],
-                                            q_dst.at[part], q_bars.at[wg])
-                plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)], sc_smem,
-                                        q_bars.at[wg])
-                plgpu.barrier_wait(q_bars.at[wg])
+                                            q_dst2.at[buf, wg, part], bar)
+                plgpu.copy_gmem_to_smem(sc_ref.at[head, :, pl.ds(q0, BLOCK_Q)],
+                                        sc_smem2.at[buf, wg], bar)
+
+            def signal_partial():
+                plgpu.wait_smem_to_gmem(0)  # the partial is written, not only read
+                _fence_proxy_async_global()
+                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1,
+                                       memory_scope="gpu")
+
+            if n_qbuf == 2:
+                issue_q(t_first, 0)
+            plgpu.barrier_wait(k_bars.at[0])
+            pl.when(wg == 1)(schedule_barrier)
+
+            @pl.loop(t_first, t_last + 1)
+            def _segment(t):
+                head, q0 = tile_rows(t)
+                jb = jnp.maximum(u0 - t * nb, 0)
+                je = jnp.minimum(u1 - t * nb, nb)
+                buf = lax.rem(t - t_first, n_qbuf)
+                if n_qbuf == 1:
+                    issue_q(t, 0)
+                plgpu.barrier_wait(q_bars.at[buf * COMPUTE_WGS + wg])
+                if n_qbuf == 2:
+                    # buffer 1 - buf was the previous tile's: its wgmmas have completed
+                    pl.when(t < t_last)(lambda: issue_q(t + 1, 1 - buf))
+                q_smem, sc_smem = q_smem2.at[buf, wg], sc_smem2.at[buf, wg]
                 row_scale = plgpu.load(sc_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
 
                 m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
@@ -483,6 +518,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
                     s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_done.at[slot])
+                    if has_partials:
+                        pl.when(jnp.logical_and(defer_signal, step == signal_step))(
+                            signal_partial)
                     b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
                          + lax.broadcast_in_dim(b, s.shape, [1]))
@@ -533,10 +571,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem, part_ref.at[cta, wg])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[cta, wg])
-                    plgpu.wait_smem_to_gmem(0)  # written, not only read
-                    _fence_proxy_async_global()
-                    plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1,
-                                           memory_scope="gpu")
+                    pl.when(jnp.logical_not(defer_signal))(signal_partial)
 
                 @pl.when(jb == 0)
                 def _finish():
@@ -645,7 +680,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         sw = plgpu.SwizzleTransform(128)
         t8 = plgpu.TilingTransform((8, 128))
         t16 = plgpu.TilingTransform((8, 64))
-        q_shape = (COMPUTE_WGS, n_parts, BLOCK_Q, d)
+        q_shape = (n_qbuf, COMPUTE_WGS, n_parts, BLOCK_Q, d)
         q_spec = plgpu.SMEM(q_shape, F8, transforms=(t8, sw))
         vt_spec = plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw))
         if v_in_kernel:
@@ -657,7 +692,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         smem = (
             q_spec,
             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw)),
-            plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
+            plgpu.SMEM((n_qbuf, COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             # K: TMA writes through an untiled view (the (8, 128) tiling of 128-byte
             # rows is the identity, so no S % 8 == 0 requirement on the cache) and the
             # wgmma reads the tiled view of the same bytes.
@@ -670,7 +705,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         bars = (
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=n_parts + 1, num_barriers=COMPUTE_WGS)),
+             plgpu.Barrier(num_arrivals=n_parts + 1, num_barriers=n_qbuf * COMPUTE_WGS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # partial loads
