@@ -319,7 +319,8 @@ def _fence_proxy_async_global():
 
 
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
-                        clip_out=True, v_in_kernel=False, layer=None, num_ctas=None):
+                        clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
+                        profile_dir=""):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -347,6 +348,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     write a bf16 partial output, normalized, with its log2-sum-exp per row, and signal a
     semaphore; the owner waits for them (no wait in practice), merges and stores. Needs
     every CTA resident at once (num_ctas <= SMs, one CTA per SM by its shared memory).
+
+    profile_dir: "" or a directory where the Mosaic GPU profiler writes a per-warpgroup
+    trace of the kernel's named scopes (qk, softmax, sync, pv, v_transpose, ...).
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -491,7 +495,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 buf = lax.rem(t - t_first, n_qbuf)
                 if n_qbuf == 1:
                     issue_q(t, 0)
-                plgpu.barrier_wait(q_bars.at[buf * COMPUTE_WGS + wg])
+                with jax.named_scope("q_wait"):
+                    plgpu.barrier_wait(q_bars.at[buf * COMPUTE_WGS + wg])
                 if n_qbuf == 2:
                     # buffer 1 - buf was the previous tile's: its wgmmas have completed
                     pl.when(t < t_last)(lambda: issue_q(t + 1, 1 - buf))
@@ -516,24 +521,28 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         schedule_barrier()
                         return acc_ref[...]
 
-                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_done.at[slot])
                     if has_partials:
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
                             signal_partial)
-                    b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                    s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
-                         + lax.broadcast_in_dim(b, s.shape, [1]))
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    p8 = to_8bit_a(p.astype(F8))
-                    acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
-                    plgpu.barrier_arrive(sched)
-                    plgpu.barrier_wait(v_bars.at[slot])
-                    plgpu.barrier_wait(sched)
+                    with jax.named_scope("softmax"):
+                        b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
+                             + lax.broadcast_in_dim(b, s.shape, [1]))
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        alpha = jnp.exp2(m_i - m_new)
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape,
+                                                              [0]))
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        p8 = to_8bit_a(p.astype(F8))
+                        acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_arrive(sched)
+                        plgpu.barrier_wait(v_bars.at[slot])
+                        plgpu.barrier_wait(sched)
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
@@ -543,12 +552,14 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         def _():
                             plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    with jax.named_scope("pv"):
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_done.at[slot])
                     return acc, m_new, l_i
 
                 acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
 
+                @jax.named_scope("store")
                 def store_output(acc, l_i):
                     out_scale = plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
                     acc = acc * lax.broadcast_in_dim(out_scale / l_i, acc.shape, [0])
@@ -562,6 +573,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     return
 
                 @pl.when(jb > 0)
+                @jax.named_scope("partial")
                 def _write_partial():
                     # Normalized partial output (bf16) and its log2-sum-exp per row.
                     lse = m_i + jnp.log2(l_i)
@@ -575,6 +587,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
                 @pl.when(jb == 0)
                 def _finish():
+                    @jax.named_scope("merge")
                     def merge(c2, carry):
                         acc, m_i, l_i = carry
                         plgpu.semaphore_wait(sems.at[c2 * COMPUTE_WGS + wg], 1,
@@ -643,7 +656,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 def _():  # the P.V of step i - stages has finished reading V^T[slot]
                     plgpu.barrier_wait(v_done.at[slot])
 
-                _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
+                with jax.named_scope("v_transpose"):
+                    _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
                 plgpu.commit_smem()  # generic-proxy stores -> visible to the wgmma
                 plgpu.barrier_arrive(v_bars.at[slot])
 
@@ -730,7 +744,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         kernel_name=KERNEL_NAME,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, profile_space=2048 if profile_dir else 0,
+            profile_dir=profile_dir),
     )(*q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
     return out
 

@@ -1,0 +1,123 @@
+"""Where the FP8 attention kernel's time goes: a Mosaic GPU profiler trace per schedule.
+
+Runs ``_fp8_attention_call`` at the model's shape with the Mosaic GPU profiler on (each
+warpgroup records the begin/end times of the kernel's named scopes: qk, softmax, sync,
+pv, q_wait, store, partial, merge, v_transpose), then sums each scope per warpgroup and
+prints, per schedule, the CTA span and the compute warpgroups' time per scope (mean over
+CTAs), per KV step and as a share of the span. Profiling adds ~12 cycles per event.
+
+  python3 benchmarks/attention_profile.py --out $OUT/prof --heads 18 --schedules grid,stream_k
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import fp8_attention as fa  # noqa: E402
+
+TQ, S, D, BLOCK_KV = 757, 5788, 128, 128
+
+
+def summarize(trace_file: str, warpgroups: int = fa.COMPUTE_WGS + 1) -> dict:
+    """Per-scope time (us) per warpgroup role, mean over CTAs, and the mean CTA span."""
+    events = json.load(open(trace_file))["traceEvents"]
+    by_tid = collections.defaultdict(list)
+    for e in events:
+        by_tid[e["tid"]].append(e)
+    per_role = collections.defaultdict(lambda: collections.defaultdict(float))
+    spans = collections.defaultdict(lambda: [np.inf, -np.inf])
+    counts = collections.defaultdict(lambda: collections.defaultdict(int))
+    n_ctas = 0
+    for tid, evs in by_tid.items():
+        trace_idx = (tid - 1) % warpgroups
+        cta = (tid - 1) // warpgroups
+        n_ctas = max(n_ctas, cta + 1)
+        role = "memory" if trace_idx == warpgroups - 1 else "compute"
+        stack = []
+        for e in evs:
+            t = e["ts"]
+            spans[cta][0] = min(spans[cta][0], t)
+            spans[cta][1] = max(spans[cta][1], t)
+            if e["ph"] == "B":
+                stack.append((e["name"], t))
+            elif stack:
+                name, t0 = stack.pop()
+                per_role[role][name] += t - t0
+                counts[role][name] += 1
+    n_compute = n_ctas * (warpgroups - 1)
+    span = float(np.mean([b - a for a, b in spans.values()]))
+    return {
+        "ctas": n_ctas,
+        "span_us": span,
+        "compute_us_per_wg": {k: v / n_compute for k, v in per_role["compute"].items()},
+        "compute_calls_per_wg": {k: v / n_compute for k, v in counts["compute"].items()},
+        "memory_us": {k: v / n_ctas for k, v in per_role["memory"].items()},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/attention_profile")
+    ap.add_argument("--heads", default="18")
+    ap.add_argument("--schedules", default="grid,stream_k")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--summarize", nargs="*", help="only summarize these trace files")
+    args = ap.parse_args()
+    if args.summarize:
+        for f in args.summarize:
+            print(f, json.dumps(summarize(f), indent=1))
+        return 0
+    results = []
+    for h in (int(x) for x in args.heads.split(",")):
+        kq, kk, kv = jax.random.split(jax.random.key(h), 3)
+        q = jax.random.normal(kq, (TQ, h, D), jnp.float32).astype(jnp.bfloat16)
+        k8, ks = fa.quantize_kv(jax.random.normal(kk, (S, h, D), jnp.float32))
+        v8, vs = fa.quantize_kv(jax.random.normal(kv, (S, h, D), jnp.float32))
+        valid = jnp.ones((S,), bool).at[1046:1246].set(False)
+        q8, sc, bias = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV, True)
+        n_tiles = h * -(-TQ // (fa.COMPUTE_WGS * fa.BLOCK_Q))
+        nb = -(-S // BLOCK_KV)
+        for sched in args.schedules.split(","):
+            ctas = (fa.stream_k_ctas(n_tiles, nb, args.stages, None)
+                    if sched == "stream_k" else None)
+            pdir = os.path.abspath(f"{args.out}/h{h}_{sched}")
+            os.makedirs(pdir, exist_ok=True)
+            f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, ctas=ctas: fa._fp8_attention_call(
+                a, b, c, d_, e, tq=TQ, block_kv=BLOCK_KV, stages=args.stages,
+                out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=True, num_ctas=ctas,
+                profile_dir=pdir))
+            for _ in range(3):
+                jax.block_until_ready(f(q8, k8, v8, sc, bias))
+            files = sorted(glob.glob(f"{pdir}/*.json"), key=os.path.getmtime)
+            if not files:
+                print(f"h={h} {sched}: no trace written in {pdir}")
+                continue
+            r = summarize(files[-1])
+            r.update(heads=h, schedule=sched, trace=files[-1])
+            results.append(r)
+            steps = n_tiles * nb / r["ctas"]
+            print(f"\nheads {h} {sched}: {r['ctas']} CTAs, span {r['span_us']:.1f} us, "
+                  f"{steps:.1f} KV steps per CTA")
+            print(f"  {'scope':<12} {'us/WG':>8} {'calls':>6} {'us/step':>8} {'share':>6}")
+            for name, us in sorted(r["compute_us_per_wg"].items(), key=lambda x: -x[1]):
+                print(f"  {name:<12} {us:8.2f} {r['compute_calls_per_wg'][name]:6.1f} "
+                      f"{us / steps:8.3f} {us / r['span_us']:6.1%}")
+            for name, us in r["memory_us"].items():
+                print(f"  memory WG {name:<12} {us:8.2f} us")
+    with open(f"{args.out}/profile_summary.json", "w") as fh:
+        json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
