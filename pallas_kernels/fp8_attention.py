@@ -745,7 +745,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         thread_name="wg",
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, profile_space=2048 if profile_dir else 0,
+            approx_math=True, profile_space=512 if profile_dir else 0,
             profile_dir=profile_dir),
     )(*q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
     return out
