@@ -134,11 +134,7 @@ def main():
     except Exception:  # torch absent
         have_torch = False
 
-    variants = {f"{vk}_{qs}_s{st}{sched}": dict(stages=st, q_split=(qs == "split"),
-                                                v_in_kernel=(vk == "kv"),
-                                                persistent=not sched)
-                for vk in ("kv", "wt") for qs in ("split", "single") for st in (2, 3, 4)
-                for sched in ("", "_grid")}
+    variants = _Variants()
     for h in heads:
         flops = 4 * TQ * S * D * h
         q, k8, v8, ks, vs, valid = make_inputs(h, seed=h)
@@ -167,10 +163,13 @@ def main():
                 nb = -(-S // 128)
                 ctas = (fa.stream_k_ctas(h * -(-TQ // 128), nb, kw["stages"], None)
                         if kw["persistent"] else None)
+                flags = fa.block_masked_flags(valid, 128) if kw["fast_unmasked"] else None
                 raw_fn = jax.jit(lambda a, b, c, d_, e: fa._fp8_attention_call(
                     a, b, c, d_, e, tq=TQ, block_kv=128, stages=kw["stages"],
                     out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=kw["v_in_kernel"],
-                    num_ctas=ctas))
+                    num_ctas=ctas, pingpong=kw["pingpong"],
+                    l_in_pv=kw["l_in_pv"] and kw["v_in_kernel"],
+                    fast_unmasked=kw["fast_unmasked"], block_masked=flags))
                 raw = poisoned_call(lambda: raw_fn(q8, k8, vt, sc, bias), 768 * h * D * 2)
                 err = rel_err(out, ref)
                 finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
@@ -262,6 +261,22 @@ def main():
         json.dump(results, fh, indent=1)
     print_table(results)
     return 0
+
+
+class _Variants(dict):
+    """Kernel variant names: '{kv|wt}_{split|single}_s{stages}' then any of the flags
+    '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
+    the P.V wgmma), '_fast' (no bias on unmasked blocks); e.g. 'kv_split_s2_lpv_fast'."""
+
+    def __missing__(self, name):
+        vk, qs, st, *flags = name.split("_")
+        unknown = set(flags) - {"grid", "np", "lpv", "fast"}
+        if vk not in ("kv", "wt") or qs not in ("split", "single") or not st.startswith(
+                "s") or unknown:
+            raise KeyError(f"bad variant {name!r} ({self.__doc__})")
+        return dict(stages=int(st[1:]), q_split=qs == "split", v_in_kernel=vk == "kv",
+                    persistent="grid" not in flags, pingpong="np" not in flags,
+                    l_in_pv="lpv" in flags, fast_unmasked="fast" in flags)
 
 
 def attn_kernel_us(breakdown):

@@ -218,6 +218,39 @@ def _transpose_v_block(raw_ref, vt_ref):
     tr(raw_ref, vt_ref)
 
 
+def _fill_ones(ref, byte_offset: int):
+    """Memory-warpgroup code: 1,024 bytes of ref from byte_offset (8 rows of 128 e4m3)
+    <- 1.0 (0x38): all bytes alike, so the 128-byte swizzle does not matter."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def fill(ctx, r):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        i8 = ir.IntegerType.get_signless(8)
+        tid = arith.andi(utils.thread_idx(), arith.constant(i32, 127))
+        ptr = utils.memref_ptr(r)
+        ones = arith.constant(i32, 0x38383838)
+        for k in range(2):  # 128 threads x 2 words = 1,024 bytes
+            off = arith.addi(arith.muli(tid, arith.constant(i32, 8)),
+                             arith.constant(i32, byte_offset + 4 * k))
+            llvm.store(ones, utils.getelementptr(ptr, [off], i8))
+
+    fill(ref)
+
+
+def block_masked_flags(valid, block_kv: int) -> jax.Array:
+    """[nb] int32: 1 where the KV block holds a masked (invalid or padding) slot."""
+    s_len = valid.shape[0]
+    nb = -(-s_len // block_kv)
+    v = jnp.pad(valid, (0, nb * block_kv - s_len))
+    return jnp.any(~v.reshape(nb, block_kv), axis=1).astype(jnp.int32)
+
+
 def _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv, q_split=True):
     """Wrapper-side work when the kernel reads V as stored: the FP8 Q parts, a tuple of P
     [Tq, H, D] arrays (unpadded), scales [H, 2, Tq'] and the slot bias [S'] (as
@@ -320,7 +353,8 @@ def _fence_proxy_async_global():
 
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
-                        profile_dir=""):
+                        profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
+                        block_masked=None):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -351,6 +385,18 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
     profile_dir: "" or a directory where the Mosaic GPU profiler writes a per-warpgroup
     trace of the kernel's named scopes (qk, softmax, sync, pv, v_transpose, ...).
+
+    The softmax (the kernel's bottleneck: ~1,560 cycles per warpgroup and 128-key step on
+    the H200, against ~830 of tensor work) has three options:
+      pingpong: the two compute warpgroups alternate (a schedule barrier): one's softmax
+        runs under the other's matmuls. False: they run freely.
+      l_in_pv: the row sums of P come out of the P.V wgmma: V^T gets 8 more rows of ones
+        (N = 136), so l is the sum of the e4m3 P actually multiplied, and the per-element
+        adds and their shuffles go (needs v_in_kernel: the memory warpgroup writes the
+        ones once).
+      fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
+        the others skip the bias: max over the raw logits, then one FMA per element for
+        the exponent (the row factor is positive), one op less per element.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -384,6 +430,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     out_rows = tq if clip_out else tq_pad
     if d != 128:
         raise NotImplementedError(f"the FP8 kernel handles head_dim 128, got {d}")
+    if l_in_pv and not v_in_kernel:
+        raise ValueError("l_in_pv needs v_in_kernel=True")
+    if fast_unmasked and block_masked is None:
+        raise ValueError("fast_unmasked needs block_masked [nb] int32")
+    d_acc = d + 8 if l_in_pv else d  # P.V accumulator columns (8 of ones: the row sums)
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -419,7 +470,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         return regroup(p8)
 
     def kernel(q_refs, k_ref, vt_ref, sc_ref, bias_ref, out_ref, part_ref, lse_ref, scoped,
-               layer_ref=None):
+               layer_ref=None, mask_ref=None):
         if layer_ref is not None:
             # Views of layer `li` of the stacks (clamped like lax.dynamic_slice): no copy.
             li = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
@@ -448,8 +499,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 if has_partials else None)
 
         def schedule_barrier():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+            if pingpong:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
 
         def head_block(unit):
             tile = lax.div(unit, nb)
@@ -485,7 +537,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             if n_qbuf == 2:
                 issue_q(t_first, 0)
             plgpu.barrier_wait(k_bars.at[0])
-            pl.when(wg == 1)(schedule_barrier)
+            if pingpong:
+                pl.when(wg == 1)(schedule_barrier)
 
             @pl.loop(t_first, t_last + 1)
             def _segment(t):
@@ -507,7 +560,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                                         plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
+                acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d_acc), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA)
 
                 def kv_step(j, carry):
@@ -527,22 +580,43 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if has_partials:
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
                             signal_partial)
-                    with jax.named_scope("softmax"):
-                        b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        s = (s * lax.broadcast_in_dim(row_scale, s.shape, [0])
-                             + lax.broadcast_in_dim(b, s.shape, [1]))
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                    def softmax(s, m_i, l_i, acc, masked):
+                        """Online softmax of one block: (p8, acc, m, l); m, l in the log2
+                        domain, P = 256 exp2(s - m) as e4m3 in the 8-bit wgmma layout."""
+                        rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
+                        if masked:
+                            b = plgpu.load(b_smem.at[slot],
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                            s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
+                            m_new = jnp.maximum(m_i, s.max(axis=1))
+                            p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE,
+                                                                  s.shape, [0]))
+                        else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
+                            m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
+                            p = jnp.exp2(s * rs + lax.broadcast_in_dim(
+                                _P_LOG2_SCALE - m_new, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_new)
-                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE, s.shape,
-                                                              [0]))
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        l_i = l_i * alpha + p.sum(axis=1)
+                        if not l_in_pv:
+                            l_i = l_i * alpha + p.sum(axis=1)
                         p8 = to_8bit_a(p.astype(F8))
-                        acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
+                        return lax.optimization_barrier((acc, l_i, m_new, p8))
+
+                    with jax.named_scope("softmax"):
+                        if fast_unmasked:
+                            acc, l_i, m_new, p8 = lax.cond(
+                                mask_ref[j] != 0,
+                                functools.partial(softmax, masked=True),
+                                functools.partial(softmax, masked=False),
+                                s, m_i, l_i, acc)
+                        else:
+                            acc, l_i, m_new, p8 = softmax(s, m_i, l_i, acc, masked=True)
                     with jax.named_scope("sync"):
-                        plgpu.barrier_arrive(sched)
+                        if pingpong:
+                            plgpu.barrier_arrive(sched)
                         plgpu.barrier_wait(v_bars.at[slot])
-                        plgpu.barrier_wait(sched)
+                        if pingpong:
+                            plgpu.barrier_wait(sched)
 
                     def pv(acc_ref):
                         plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
@@ -558,6 +632,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     return acc, m_new, l_i
 
                 acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
+                if l_in_pv:  # the 8 ones-columns all hold the row sums
+                    acc, l_i = acc[:, :d], acc[:, d:].max(axis=1)
 
                 @jax.named_scope("store")
                 def store_output(acc, l_i):
@@ -612,7 +688,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc2, _, l2 = lax.fori_loop(cta + 1, last + 1, merge, (acc, m_i, l_i))
                     store_output(acc2, l2)
 
-            pl.when(wg == 0)(schedule_barrier)
+            if pingpong:
+                pl.when(wg == 0)(schedule_barrier)
             plgpu.wait_smem_to_gmem(0)
 
         def issue_k(unit, slot):
@@ -638,6 +715,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 def _(i=i):
                     issue_k(u0 + i, i)
                     issue_v(u0 + i, i)
+
+            if l_in_pv:  # V^T rows d..d+7 of every stage: e4m3 ones, written once
+                for i in range(stages):
+                    _fill_ones(vt_plain.at[i], d * block_kv)
 
             @pl.loop(0, n_steps)
             def _(i):
@@ -690,18 +771,19 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         q_refs, (k_ref, vt_ref, sc_ref, bias_ref) = refs[:n_parts], refs[n_parts:n_parts + 4]
         rest = refs[n_parts + 4:]
         layer_ref, rest = (rest[0], rest[1:]) if stacked else (None, rest)
+        mask_ref, rest = (rest[0], rest[1:]) if fast_unmasked else (None, rest)
         out_ref, part_ref, lse_ref = rest
         sw = plgpu.SwizzleTransform(128)
         t8 = plgpu.TilingTransform((8, 128))
         t16 = plgpu.TilingTransform((8, 64))
         q_shape = (n_qbuf, COMPUTE_WGS, n_parts, BLOCK_Q, d)
         q_spec = plgpu.SMEM(q_shape, F8, transforms=(t8, sw))
-        vt_spec = plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw))
+        vt_spec = plgpu.SMEM((stages, d_acc, block_kv), F8, transforms=(t8, sw))
         if v_in_kernel:
             q_spec = plgpu.RefUnion(q_spec, plgpu.SMEM(q_shape, F8, transforms=(sw,)))
             # The plain alias sees the same bytes; _transpose_v_block applies the 128-byte
             # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
-            vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
+            vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d_acc, block_kv), F8))
         lse_rows = BLOCK_Q if has_partials else 8  # stream-K partials' lse (unused else)
         smem = (
             q_spec,
@@ -731,7 +813,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         pl.run_scoped(
             lambda *scoped: kernel(q_refs, k_ref, vt_ref, sc_ref, bias_ref, out_ref,
                                    part_ref, lse_ref, (scoped[:n_smem], scoped[n_smem:]),
-                                   layer_ref),
+                                   layer_ref, mask_ref),
             *smem, *bars, collective_axes="wg")
 
     out, _, _ = plgpu.kernel(
@@ -747,16 +829,19 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         compiler_params=plgpu.CompilerParams(
             approx_math=True, profile_space=512 if profile_dir else 0,
             profile_dir=profile_dir),
-    )(*q8, k8, vt, scales, bias, *((layer,) if stacked else ()))
+    )(*q8, k8, vt, scales, bias, *((layer,) if stacked else ()),
+      *((block_masked,) if fast_unmasked else ()))
     return out
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
-                                             "v_in_kernel", "persistent", "num_sms"))
+                                             "v_in_kernel", "persistent", "num_sms",
+                                             "pingpong", "l_in_pv", "fast_unmasked"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
-                     num_sms: int | None = None):
+                     num_sms: int | None = None, pingpong: bool = True,
+                     l_in_pv: bool = False, fast_unmasked: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -764,7 +849,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     with ``layer`` the [L, S, H, D] stacks are read in place); False: the wrapper builds
     a permuted V^T with XLA (GPU run 1's kernel). persistent=True: the stream-K schedule
     over ``num_sms`` CTAs (default: the device's SMs, see :func:`stream_k_ctas`); False:
-    one CTA per (head, 128-query tile).
+    one CTA per (head, 128-query tile). pingpong, l_in_pv, fast_unmasked: the softmax
+    options of :func:`_fp8_attention_call`.
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -775,8 +861,11 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
     nb = -(-k.shape[-3] // block_kv)
     num_ctas = stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None
-    call = functools.partial(_fp8_attention_call, block_kv=block_kv, stages=stages,
-                             out_dtype=jnp.bfloat16, clip_out=clip_out, num_ctas=num_ctas)
+    call = functools.partial(
+        _fp8_attention_call, block_kv=block_kv, stages=stages, out_dtype=jnp.bfloat16,
+        clip_out=clip_out, num_ctas=num_ctas, pingpong=pingpong,
+        l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
+        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None)
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
