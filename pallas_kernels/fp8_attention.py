@@ -390,10 +390,12 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     the H200, against ~830 of tensor work) has three options:
       pingpong: the two compute warpgroups alternate (a schedule barrier): one's softmax
         runs under the other's matmuls. False: they run freely.
-      l_in_pv: the row sums of P come out of the P.V wgmma: V^T gets 8 more rows of ones
-        (N = 136), so l is the sum of the e4m3 P actually multiplied, and the per-element
-        adds and their shuffles go (needs v_in_kernel: the memory warpgroup writes the
-        ones once).
+      l_in_pv: the row sums of P come out of the tensor core: a second wgmma per block,
+        P times an [8, bkv] block of e4m3 ones, into a fresh [64, 8] accumulator (so l is
+        the sum of the e4m3 P actually multiplied, and the per-element adds and their
+        shuffles go). Fresh per block: FP8 wgmma accumulates with reduced precision, and
+        the sums carried across blocks in the P.V accumulator (ones rows in V^T, tried
+        first) lost 2-4% to truncation on the H200.
       fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
@@ -434,7 +436,6 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
-    d_acc = d + 8 if l_in_pv else d  # P.V accumulator columns (8 of ones: the row sums)
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -481,7 +482,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         n_steps = u1 - u0
         wg = lax.axis_index("wg")
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem,
-         lse_smem2), bars = scoped
+         lse_smem2, (ones_smem, ones_plain)), bars = scoped
         (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
         t_first, t_last = lax.div(u0, nb), lax.div(u1 - 1, nb)
         # A CTA whose first segment is a partial signals it after the next segment's first
@@ -560,7 +561,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                                         plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
-                acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d_acc), 0.0, jnp.float32),
+                acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA)
 
                 def kv_step(j, carry):
@@ -576,29 +577,32 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
                     with jax.named_scope("qk"):
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                    plgpu.barrier_arrive(k_done.at[slot])
                     if has_partials:
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
                             signal_partial)
+
                     def softmax(s, m_i, l_i, acc, masked):
                         """Online softmax of one block: (p8, acc, m, l); m, l in the log2
-                        domain, P = 256 exp2(s - m) as e4m3 in the 8-bit wgmma layout."""
+                        domain, P = 256 exp2(s - m) as e4m3 in the 8-bit wgmma layout.
+                        Releases the K stage (K and the bias) once the bias is read."""
                         rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
                         if masked:
                             b = plgpu.load(b_smem.at[slot],
                                            layout=plgpu.Layout.WGMMA.reduce(0))
+                            plgpu.barrier_arrive(k_done.at[slot])
                             s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
                             m_new = jnp.maximum(m_i, s.max(axis=1))
                             p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE,
                                                                   s.shape, [0]))
                         else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
+                            plgpu.barrier_arrive(k_done.at[slot])
                             m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
                             p = jnp.exp2(s * rs + lax.broadcast_in_dim(
                                 _P_LOG2_SCALE - m_new, s.shape, [0]))
                         alpha = jnp.exp2(m_i - m_new)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        if not l_in_pv:
-                            l_i = l_i * alpha + p.sum(axis=1)
+                        # with l_in_pv the block's row sums come from the P.V step
+                        l_i = l_i * alpha if l_in_pv else l_i * alpha + p.sum(axis=1)
                         p8 = to_8bit_a(p.astype(F8))
                         return lax.optimization_barrier((acc, l_i, m_new, p8))
 
@@ -618,8 +622,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         if pingpong:
                             plgpu.barrier_wait(sched)
 
-                    def pv(acc_ref):
+                    def pv(refs):
+                        acc_ref, sum_ref = refs
                         plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
+                        if l_in_pv:  # this block's row sums of P, in a fresh accumulator
+                            plgpu.wgmma(sum_ref, p8, ones_smem.T)
                         nxt = step + 1
 
                         @pl.when(nxt < n_steps)
@@ -627,13 +634,16 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
                     with jax.named_scope("pv"):
-                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                        sums0 = (plgpu.ACC.init(plgpu.layout_cast(
+                            jnp.full((BLOCK_Q, 8), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+                            if l_in_pv else None)
+                        acc, sums = pl.run_state(pv)((plgpu.ACC.init(acc), sums0))
                     plgpu.barrier_arrive(v_done.at[slot])
+                    if l_in_pv:  # all 8 columns hold the row sums
+                        l_i = l_i + sums.max(axis=1)
                     return acc, m_new, l_i
 
                 acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
-                if l_in_pv:  # the 8 ones-columns all hold the row sums
-                    acc, l_i = acc[:, :d], acc[:, d:].max(axis=1)
 
                 @jax.named_scope("store")
                 def store_output(acc, l_i):
@@ -716,9 +726,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     issue_k(u0 + i, i)
                     issue_v(u0 + i, i)
 
-            if l_in_pv:  # V^T rows d..d+7 of every stage: e4m3 ones, written once
-                for i in range(stages):
-                    _fill_ones(vt_plain.at[i], d * block_kv)
+            if l_in_pv:  # the ones operand of the row-sum wgmma, written once
+                _fill_ones(ones_plain, 0)
 
             @pl.loop(0, n_steps)
             def _(i):
@@ -778,12 +787,12 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         t16 = plgpu.TilingTransform((8, 64))
         q_shape = (n_qbuf, COMPUTE_WGS, n_parts, BLOCK_Q, d)
         q_spec = plgpu.SMEM(q_shape, F8, transforms=(t8, sw))
-        vt_spec = plgpu.SMEM((stages, d_acc, block_kv), F8, transforms=(t8, sw))
+        vt_spec = plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw))
         if v_in_kernel:
             q_spec = plgpu.RefUnion(q_spec, plgpu.SMEM(q_shape, F8, transforms=(sw,)))
             # The plain alias sees the same bytes; _transpose_v_block applies the 128-byte
             # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
-            vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d_acc, block_kv), F8))
+            vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
         lse_rows = BLOCK_Q if has_partials else 8  # stream-K partials' lse (unused else)
         smem = (
             q_spec,
@@ -797,6 +806,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             vt_spec,
             plgpu.SMEM((stages, block_kv), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, lse_rows, 8), jnp.float32),
+            # l_in_pv: [8, bkv] e4m3 ones, the B operand of the row-sum wgmma
+            plgpu.RefUnion(plgpu.SMEM((8, block_kv), F8, transforms=(t8, sw)),
+                           plgpu.SMEM((8, block_kv), F8)),
         )
         bars = (
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),

@@ -134,10 +134,12 @@ def test_prepared_inputs_layout_and_split_q():
     assert (np.asarray(bias)[s:] < -1e29).all() and (np.asarray(bias)[:s] < -1e29).sum() == 7
 
 
-def test_kernel_algorithm_emulated_on_cpu():
+@pytest.mark.parametrize("l_from_p8", [False, True])
+def test_kernel_algorithm_emulated_on_cpu(l_from_p8):
     """numpy emulation of the kernel's arithmetic on the prepared inputs: online softmax
     per 128-key block, e4m3 P read through the 8-bit register regroup, permuted V^T.
-    (On the H200 the kernel matched this emulation to 3 digits: 0.0622 vs 0.0621.)"""
+    (On the H200 the kernel matched this emulation to 3 digits: 0.0622 vs 0.0621.)
+    l_from_p8: the row sums taken over the e4m3 P (``l_in_pv``), not the f32 P."""
     tq, s, h, d, bkv = 200, 300, 2, 128, 128
     q, k, v, ks, vs = _inputs(jax.random.key(6), tq, s, h, d)
     valid = _valid(s, sink=150, masked_prefix=20, ring_filled=100)
@@ -158,8 +160,8 @@ def test_kernel_algorithm_emulated_on_cpu():
             mn = np.maximum(m, ss.max(1))
             al = np.exp2(m - mn)
             p = np.exp2(ss - (mn - fa._P_LOG2_SCALE)[:, None])
-            acc, l, m = acc * al[:, None], l * al + p.sum(1), mn
             p8 = np.asarray(jnp.asarray(p).astype(fa.F8).astype(jnp.float32))
+            acc, l, m = acc * al[:, None], l * al + (p8 if l_from_p8 else p).sum(1), mn
             acc += p8[:, src] @ vt[hh, :, blk].T
         out[:, hh] = acc * (osc / l)[:, None]
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
