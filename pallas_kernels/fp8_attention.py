@@ -852,8 +852,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
-                     num_sms: int | None = None, pingpong: bool = True,
-                     l_in_pv: bool = False, fast_unmasked: bool = False):
+                     num_sms: int | None = None, pingpong: bool = False,
+                     l_in_pv: bool = True, fast_unmasked: bool = True):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -862,7 +862,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     a permuted V^T with XLA (GPU run 1's kernel). persistent=True: the stream-K schedule
     over ``num_sms`` CTAs (default: the device's SMs, see :func:`stream_k_ctas`); False:
     one CTA per (head, 128-query tile). pingpong, l_in_pv, fast_unmasked: the softmax
-    options of :func:`_fp8_attention_call`.
+    options of :func:`_fp8_attention_call` (the defaults measured fastest together on the
+    H200: -9% kernel time at 18 heads, -7% at 36; BUILD_NOTES, GPU run 6).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
