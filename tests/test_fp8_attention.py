@@ -339,10 +339,10 @@ def test_kernel_matches_reference(tq, s, h, masked_prefix, ring_filled, v_in_ker
     assert err < 3e-2
 
 
-@pytest.mark.gpu
 _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's softmax
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("opts", [
     _OLD, {**_OLD, "pingpong": False}, {**_OLD, "l_in_pv": True},
     {**_OLD, "fast_unmasked": True}, {**_OLD, "l_in_pv": True, "fast_unmasked": True},
