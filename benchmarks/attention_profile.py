@@ -7,6 +7,10 @@ prints, per schedule, the CTA span and the compute warpgroups' time per scope (m
 CTAs), per KV step and as a share of the span. Profiling adds ~12 cycles per event.
 
   python3 benchmarks/attention_profile.py --out $OUT/prof --heads 18 --schedules grid,stream_k
+  python3 benchmarks/attention_profile.py --variant kv_split_s2   # GPU run 5's softmax
+
+--variant names the softmax options as bench_attention.py does ('default': the defaults of
+``attention_pallas``); --schedules overrides its grid/stream-K choice.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import fp8_attention as fa  # noqa: E402
+from benchmarks.bench_attention import _Variants  # noqa: E402
 
 TQ, S, D, BLOCK_KV = 757, 5788, 128, 128
 
@@ -70,7 +75,7 @@ def main() -> int:
     ap.add_argument("--out", default="out/attention_profile")
     ap.add_argument("--heads", default="18")
     ap.add_argument("--schedules", default="grid,stream_k")
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--variant", default="default")
     ap.add_argument("--summarize", nargs="*", help="only summarize these trace files")
     args = ap.parse_args()
     if args.summarize:
@@ -78,24 +83,29 @@ def main() -> int:
             print(f, json.dumps(summarize(f), indent=1))
         return 0
     results = []
+    kw = _Variants()[args.variant]
+    stages = kw["stages"]
     for h in (int(x) for x in args.heads.split(",")):
         kq, kk, kv = jax.random.split(jax.random.key(h), 3)
         q = jax.random.normal(kq, (TQ, h, D), jnp.float32).astype(jnp.bfloat16)
         k8, ks = fa.quantize_kv(jax.random.normal(kk, (S, h, D), jnp.float32))
         v8, vs = fa.quantize_kv(jax.random.normal(kv, (S, h, D), jnp.float32))
         valid = jnp.ones((S,), bool).at[1046:1246].set(False)
-        q8, sc, bias = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV, True)
+        q8, sc, bias = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV,
+                                                      kw["q_split"])
+        flags = fa.block_masked_flags(valid, BLOCK_KV)
         n_tiles = h * -(-TQ // (fa.COMPUTE_WGS * fa.BLOCK_Q))
         nb = -(-S // BLOCK_KV)
         for sched in args.schedules.split(","):
-            ctas = (fa.stream_k_ctas(n_tiles, nb, args.stages, None)
+            ctas = (fa.stream_k_ctas(n_tiles, nb, stages, None)
                     if sched == "stream_k" else None)
             pdir = os.path.abspath(f"{args.out}/h{h}_{sched}")
             os.makedirs(pdir, exist_ok=True)
             f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, ctas=ctas: fa._fp8_attention_call(
-                a, b, c, d_, e, tq=TQ, block_kv=BLOCK_KV, stages=args.stages,
+                a, b, c, d_, e, tq=TQ, block_kv=BLOCK_KV, stages=stages,
                 out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=True, num_ctas=ctas,
-                profile_dir=pdir))
+                profile_dir=pdir, pingpong=kw["pingpong"], l_in_pv=kw["l_in_pv"],
+                fast_unmasked=kw["fast_unmasked"], block_masked=flags))
             for _ in range(3):
                 jax.block_until_ready(f(q8, k8, v8, sc, bias))
             files = sorted(glob.glob(f"{pdir}/*.json"), key=os.path.getmtime)
@@ -103,7 +113,7 @@ def main() -> int:
                 print(f"h={h} {sched}: no trace written in {pdir}")
                 continue
             r = summarize(files[-1])
-            r.update(heads=h, schedule=sched, trace=files[-1])
+            r.update(heads=h, schedule=sched, variant=args.variant, trace=files[-1])
             results.append(r)
             steps = n_tiles * nb / r["ctas"]
             print(f"\nheads {h} {sched}: {r['ctas']} CTAs, span {r['span_us']:.1f} us, "

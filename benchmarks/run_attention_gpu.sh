@@ -5,15 +5,16 @@
 # new variant cannot cost the known numbers. GPU 1, in parallel: the GPU tests.
 # CPU tests in the background on the host.
 # Usage: OUT=/some/dir bash benchmarks/run_attention_gpu.sh
-# Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2_grid: one CTA per tile), VARIANTS_B
-# (kv_split_s2,kv_split_s3: the stream-K schedule), CONTENDERS (1: cuDNN, XLA, PyTorch),
+# Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2: GPU run 5's kernel), VARIANTS_B
+# (default: attention_pallas's defaults; names in bench_attention.py's _Variants),
+# CONTENDERS (1: cuDNN, XLA, PyTorch),
 # ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
 HEADS=${HEADS:-18,36,72}
-VARIANTS_A=${VARIANTS_A:-kv_split_s2_grid}
-VARIANTS_B=${VARIANTS_B:-kv_split_s2,kv_split_s3}
+VARIANTS_A=${VARIANTS_A:-kv_split_s2}
+VARIANTS_B=${VARIANTS_B:-default}
 CONTENDERS=${CONTENDERS:-1}
 ITERS=${ITERS:-20}
 ( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
