@@ -5,6 +5,8 @@ warpgroup records the begin/end times of the kernel's named scopes: qk, softmax,
 pv, q_wait, store, partial, merge, v_transpose), then sums each scope per warpgroup and
 prints, per schedule, the CTA span and the compute warpgroups' time per scope (mean over
 CTAs), per KV step and as a share of the span. Profiling adds ~12 cycles per event.
+Units: the profiler's timestamps are SM clock cycles (its JSON calls them ns; on the H200
+a 79.9 us kernel spans 159.5 k of them), so times here are in thousands of cycles (kcyc).
 
   python3 benchmarks/attention_profile.py --out $OUT/prof --heads 18 --schedules grid,stream_k
   python3 benchmarks/attention_profile.py --variant kv_split_s2   # GPU run 5's softmax
@@ -34,7 +36,7 @@ TQ, S, D, BLOCK_KV = 757, 5788, 128, 128
 
 
 def summarize(trace_file: str, warpgroups: int = fa.COMPUTE_WGS + 1) -> dict:
-    """Per-scope time (us) per warpgroup role, mean over CTAs, and the mean CTA span."""
+    """Per-scope time (kcycles) per warpgroup role, mean over CTAs, and the mean CTA span."""
     events = json.load(open(trace_file))["traceEvents"]
     by_tid = collections.defaultdict(list)
     for e in events:
@@ -63,10 +65,10 @@ def summarize(trace_file: str, warpgroups: int = fa.COMPUTE_WGS + 1) -> dict:
     span = float(np.mean([b - a for a, b in spans.values()]))
     return {
         "ctas": n_ctas,
-        "span_us": span,
-        "compute_us_per_wg": {k: v / n_compute for k, v in per_role["compute"].items()},
+        "span_kcyc": span,
+        "compute_kcyc_per_wg": {k: v / n_compute for k, v in per_role["compute"].items()},
         "compute_calls_per_wg": {k: v / n_compute for k, v in counts["compute"].items()},
-        "memory_us": {k: v / n_ctas for k, v in per_role["memory"].items()},
+        "memory_kcyc": {k: v / n_ctas for k, v in per_role["memory"].items()},
     }
 
 
@@ -116,14 +118,14 @@ def main() -> int:
             r.update(heads=h, schedule=sched, variant=args.variant, trace=files[-1])
             results.append(r)
             steps = n_tiles * nb / r["ctas"]
-            print(f"\nheads {h} {sched}: {r['ctas']} CTAs, span {r['span_us']:.1f} us, "
+            print(f"\nheads {h} {sched}: {r['ctas']} CTAs, span {r['span_kcyc']:.1f} kcyc, "
                   f"{steps:.1f} KV steps per CTA")
-            print(f"  {'scope':<12} {'us/WG':>8} {'calls':>6} {'us/step':>8} {'share':>6}")
-            for name, us in sorted(r["compute_us_per_wg"].items(), key=lambda x: -x[1]):
+            print(f"  {'scope':<12} {'kcyc/WG':>8} {'calls':>6} {'kcyc/step':>9} {'share':>6}")
+            for name, us in sorted(r["compute_kcyc_per_wg"].items(), key=lambda x: -x[1]):
                 print(f"  {name:<12} {us:8.2f} {r['compute_calls_per_wg'][name]:6.1f} "
-                      f"{us / steps:8.3f} {us / r['span_us']:6.1%}")
-            for name, us in r["memory_us"].items():
-                print(f"  memory WG {name:<12} {us:8.2f} us")
+                      f"{us / steps:9.3f} {us / r['span_kcyc']:6.1%}")
+            for name, us in r["memory_kcyc"].items():
+                print(f"  memory WG {name:<12} {us:8.2f} kcyc")
     with open(f"{args.out}/profile_summary.json", "w") as fh:
         json.dump(results, fh, indent=1)
     return 0
