@@ -134,12 +134,14 @@ def test_prepared_inputs_layout_and_split_q():
     assert (np.asarray(bias)[s:] < -1e29).all() and (np.asarray(bias)[:s] < -1e29).sum() == 7
 
 
-@pytest.mark.parametrize("l_from_p8", [False, True])
-def test_kernel_algorithm_emulated_on_cpu(l_from_p8):
+@pytest.mark.parametrize("l_from_p8,fast", [(False, False), (True, False), (True, True)])
+def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast):
     """numpy emulation of the kernel's arithmetic on the prepared inputs: online softmax
     per 128-key block, e4m3 P read through the 8-bit register regroup, permuted V^T.
     (On the H200 the kernel matched this emulation to 3 digits: 0.0622 vs 0.0621.)
-    l_from_p8: the row sums taken over the e4m3 P (``l_in_pv``), not the f32 P."""
+    l_from_p8: the row sums taken over the e4m3 P (``l_in_pv``), not the f32 P.
+    fast: blocks without a masked slot skip the bias, the row max taken over the raw
+    logits times the (positive) row factor (``fast_unmasked``)."""
     tq, s, h, d, bkv = 200, 300, 2, 128, 128
     q, k, v, ks, vs = _inputs(jax.random.key(6), tq, s, h, d)
     valid = _valid(s, sink=150, masked_prefix=20, ring_filled=100)
@@ -148,6 +150,8 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8):
     nb = vt.shape[-1] // bkv
     kp = np.pad(np.asarray(k.astype(jnp.float32)), ((0, nb * bkv - s), (0, 0), (0, 0)))
     src, bias, vt = fa._key_permutation(bkv), np.asarray(bias), np.asarray(vt.astype(jnp.float32))
+    masked = np.asarray(fa.block_masked_flags(valid, bkv))
+    np.testing.assert_array_equal(masked, [0, 1, 1])  # one unmasked block, two masked
     out = np.zeros((qq.shape[0], h, d), np.float32)
     for hh in range(h):
         c, osc = np.asarray(sc[hh, 0]), np.asarray(sc[hh, 1])
@@ -156,10 +160,15 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8):
         acc = np.zeros((qq.shape[0], d), np.float32)
         for j in range(nb):
             blk = slice(j * bkv, (j + 1) * bkv)
-            ss = (qq[:, hh] @ kp[blk, hh].T) * c[:, None] + bias[None, blk]
-            mn = np.maximum(m, ss.max(1))
+            raw = qq[:, hh] @ kp[blk, hh].T
+            if fast and not masked[j]:
+                mn = np.maximum(m, raw.max(1) * c)
+                p = np.exp2(raw * c[:, None] + (fa._P_LOG2_SCALE - mn)[:, None])
+            else:
+                ss = raw * c[:, None] + bias[None, blk]
+                mn = np.maximum(m, ss.max(1))
+                p = np.exp2(ss - (mn - fa._P_LOG2_SCALE)[:, None])
             al = np.exp2(m - mn)
-            p = np.exp2(ss - (mn - fa._P_LOG2_SCALE)[:, None])
             p8 = np.asarray(jnp.asarray(p).astype(fa.F8).astype(jnp.float32))
             acc, l, m = acc * al[:, None], l * al + (p8 if l_from_p8 else p).sum(1), mn
             acc += p8[:, src] @ vt[hh, :, blk].T
