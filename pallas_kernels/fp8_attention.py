@@ -68,6 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.fp8_gemm_allreduce import device_sm_count
+
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
 LOG2E = math.log2(math.e)
@@ -320,16 +322,12 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
 
 def stream_k_ctas(n_tiles: int, nb: int, stages: int, num_sms: int | None) -> int:
     """How many CTAs the persistent (stream-K) schedule launches for ``n_tiles`` tiles of
-    ``nb`` KV blocks: one per SM, fewer when a CTA would get under 2 * stages blocks (the
-    pipeline's fill would dominate), never fewer than needed to stay one wave."""
+    ``nb`` KV blocks: one per SM (``num_sms``, default the device's), so that all are
+    resident at once (the owner CTAs wait for others); fewer when a CTA would get under
+    2 * stages blocks (the pipeline's fill would dominate)."""
     units = n_tiles * nb
-    sms = num_sms or _device_sm_count()
+    sms = num_sms or device_sm_count()
     return max(1, min(sms, units // max(2 * stages, 1)))
-
-
-def _device_sm_count() -> int:
-    from pallas_kernels.fp8_gemm_allreduce import device_sm_count
-    return device_sm_count()
 
 
 def stream_k_ranges(units: int, num_ctas: int) -> np.ndarray:
@@ -546,8 +544,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             if n_qbuf == 2:
                 issue_q(t_first, 0)
             plgpu.barrier_wait(k_bars.at[0])
-            if pingpong:
-                pl.when(wg == 1)(schedule_barrier)
+            pl.when(wg == 1)(schedule_barrier)  # the ping-pong's offset (no-op without)
 
             @pl.loop(t_first, t_last + 1)
             def _segment(t):
@@ -706,8 +703,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc2, _, l2 = lax.fori_loop(cta + 1, last + 1, merge, (acc, m_i, l_i))
                     store_output(acc2, l2)
 
-            if pingpong:
-                pl.when(wg == 0)(schedule_barrier)
+            pl.when(wg == 0)(schedule_barrier)
             plgpu.wait_smem_to_gmem(0)
 
         def issue_k(unit, slot):
