@@ -86,7 +86,6 @@ def main() -> int:
         return 0
     results = []
     kw = _Variants()[args.variant]
-    stages = kw["stages"]
     for h in (int(x) for x in args.heads.split(",")):
         kq, kk, kv = jax.random.split(jax.random.key(h), 3)
         q = jax.random.normal(kq, (TQ, h, D), jnp.float32).astype(jnp.bfloat16)
@@ -95,19 +94,15 @@ def main() -> int:
         valid = jnp.ones((S,), bool).at[1046:1246].set(False)
         q8, sc, bias = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV,
                                                       kw["q_split"])
-        flags = fa.block_masked_flags(valid, BLOCK_KV)
-        n_tiles = h * -(-TQ // (fa.COMPUTE_WGS * fa.BLOCK_Q))
-        nb = -(-S // BLOCK_KV)
         for sched in args.schedules.split(","):
-            ctas = (fa.stream_k_ctas(n_tiles, nb, stages, None)
-                    if sched == "stream_k" else None)
+            opts = fa.kernel_options(h, valid, tq=TQ, **{
+                **{k_: v_ for k_, v_ in kw.items() if k_ != "q_split"},
+                "persistent": sched == "stream_k", "v_in_kernel": True})
             pdir = os.path.abspath(f"{args.out}/h{h}_{sched}")
             os.makedirs(pdir, exist_ok=True)
-            f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, ctas=ctas: fa._fp8_attention_call(
-                a, b, c, d_, e, tq=TQ, block_kv=BLOCK_KV, stages=stages,
-                out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=True, num_ctas=ctas,
-                profile_dir=pdir, pingpong=kw["pingpong"], l_in_pv=kw["l_in_pv"],
-                fast_unmasked=kw["fast_unmasked"], block_masked=flags))
+            f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, opts=opts: fa._fp8_attention_call(
+                a, b, c, d_, e, out_dtype=jnp.bfloat16, clip_out=False, profile_dir=pdir,
+                **opts))
             for _ in range(3):
                 jax.block_until_ready(f(q8, k8, v8, sc, bias))
             files = sorted(glob.glob(f"{pdir}/*.json"), key=os.path.getmtime)
@@ -117,7 +112,8 @@ def main() -> int:
             r = summarize(files[-1])
             r.update(heads=h, schedule=sched, variant=args.variant, trace=files[-1])
             results.append(r)
-            steps = n_tiles * nb / r["ctas"]
+            units = h * -(-TQ // (fa.COMPUTE_WGS * fa.BLOCK_Q)) * -(-S // BLOCK_KV)
+            steps = units / r["ctas"]
             print(f"\nheads {h} {sched}: {r['ctas']} CTAs, span {r['span_kcyc']:.1f} kcyc, "
                   f"{steps:.1f} KV steps per CTA")
             print(f"  {'scope':<12} {'kcyc/WG':>8} {'calls':>6} {'kcyc/step':>9} {'share':>6}")

@@ -161,16 +161,11 @@ def main():
                 else:
                     q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
                         q, v8, ks, vs, valid, 128, kw["q_split"])
-                nb = -(-S // 128)
-                ctas = (fa.stream_k_ctas(h * -(-TQ // 128), nb, kw["stages"], None)
-                        if kw["persistent"] else None)
-                flags = fa.block_masked_flags(valid, 128) if kw["fast_unmasked"] else None
+                opts = fa.kernel_options(h, valid, tq=TQ, **{
+                    k_: v_ for k_, v_ in kw.items() if k_ != "q_split"})
+                ctas = opts["num_ctas"]
                 raw_fn = jax.jit(lambda a, b, c, d_, e: fa._fp8_attention_call(
-                    a, b, c, d_, e, tq=TQ, block_kv=128, stages=kw["stages"],
-                    out_dtype=jnp.bfloat16, clip_out=False, v_in_kernel=kw["v_in_kernel"],
-                    num_ctas=ctas, pingpong=kw["pingpong"],
-                    l_in_pv=kw["l_in_pv"] and kw["v_in_kernel"],
-                    fast_unmasked=kw["fast_unmasked"], block_masked=flags))
+                    a, b, c, d_, e, out_dtype=jnp.bfloat16, clip_out=False, **opts))
                 raw = poisoned_call(lambda: raw_fn(q8, k8, vt, sc, bias), 768 * h * D * 2)
                 err = rel_err(out, ref)
                 finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())

@@ -228,9 +228,9 @@ def _transpose_v_block(raw_ref, vt_ref):
     tr(raw_ref, vt_ref)
 
 
-def _fill_ones(ref, byte_offset: int):
-    """Memory-warpgroup code: 1,024 bytes of ref from byte_offset (8 rows of 128 e4m3)
-    <- 1.0 (0x38): all bytes alike, so the 128-byte swizzle does not matter."""
+def _fill_ones(ref):
+    """Memory-warpgroup code: ref, 1,024 bytes (8 rows of 128 e4m3) <- 1.0 (0x38): all
+    bytes alike, so the 128-byte swizzle does not matter."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
@@ -247,7 +247,7 @@ def _fill_ones(ref, byte_offset: int):
         ones = arith.constant(i32, 0x38383838)
         for k in range(2):  # 128 threads x 2 words = 1,024 bytes
             off = arith.addi(arith.muli(tid, arith.constant(i32, 8)),
-                             arith.constant(i32, byte_offset + 4 * k))
+                             arith.constant(i32, 4 * k))
             llvm.store(ones, utils.getelementptr(ptr, [off], i8))
 
     fill(ref)
@@ -731,7 +731,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     issue_v(u0 + i, i)
 
             if l_in_pv:  # the ones operand of the row-sum wgmma, written once
-                _fill_ones(ones_plain, 0)
+                _fill_ones(ones_plain)
 
             @pl.loop(0, n_steps)
             def _(i):
@@ -850,6 +850,22 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     return out
 
 
+def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int = 2,
+                   v_in_kernel: bool = True, persistent: bool = True,
+                   num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
+                   fast_unmasked: bool = True) -> dict:
+    """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
+    clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
+    of the schedule and the per-block mask flags that the softmax options need."""
+    n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
+    nb = -(-valid.shape[0] // block_kv)
+    return dict(
+        tq=tq, block_kv=block_kv, stages=stages, v_in_kernel=v_in_kernel,
+        num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
+        pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
+        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None)
+
+
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked"))
@@ -875,23 +891,21 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     if layer is not None and not v_in_kernel:
         k, v = _layer_of(k, layer), _layer_of(v, layer)
         layer = None
-    n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
-    nb = -(-k.shape[-3] // block_kv)
-    num_ctas = stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None
-    call = functools.partial(
-        _fp8_attention_call, block_kv=block_kv, stages=stages, out_dtype=jnp.bfloat16,
-        clip_out=clip_out, num_ctas=num_ctas, pingpong=pingpong,
-        l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
-        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None)
+    call = functools.partial(_fp8_attention_call, out_dtype=jnp.bfloat16, clip_out=clip_out,
+                             **kernel_options(h, valid, tq=tq, block_kv=block_kv,
+                                              stages=stages, v_in_kernel=v_in_kernel,
+                                              persistent=persistent, num_sms=num_sms,
+                                              pingpong=pingpong, l_in_pv=l_in_pv,
+                                              fast_unmasked=fast_unmasked))
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
         layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-        out = call(q8, k, v, scales, bias, tq=tq, v_in_kernel=True, layer=layer_arr)
+        out = call(q8, k, v, scales, bias, layer=layer_arr)
     else:
         q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
                                                q_split)
-        out = call(q8, k, vt, scales, bias, tq=tq)
+        out = call(q8, k, vt, scales, bias)
     return out[:tq].astype(q.dtype)
 
 
