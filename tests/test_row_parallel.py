@@ -162,7 +162,7 @@ def _run_layers(mesh, xs, stacks, method, stacked):
 @pytest.mark.parametrize("method", ["psum", "pallas", "ppermute"])
 def test_stacked_weights_give_the_sliced_result(tp, method):
     """Stacked weights (read in place where the kernels run; on CPU the references) give the
-    same numbers as the per-layer slices, for every method ('pallas' runs its XLA fallback
+    per-layer slices' numbers (to one rounding of a bf16 partial), for every method ('pallas' runs its XLA fallback
     on CPU), and match float math."""
     mesh = _mesh(tp)
     seed = np.random.SeedSequence().entropy % 2**31
@@ -170,7 +170,13 @@ def test_stacked_weights_give_the_sliced_result(tp, method):
     out = _run_layers(mesh, xs, stacks, method, stacked=True)
     sliced = _run_layers(mesh, xs, stacks, method, stacked=False)
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(sliced, np.float32))
+    # Equal up to the rounding of one bf16 partial: XLA may fuse the stacked layer's slice
+    # into the dot and sum in another order, and each device's partial (magnitude up to the
+    # output's largest) is rounded to bf16 before the reduction. Exact equality failed once
+    # in CI on one element of 2,784 (0.1445 vs 0.1484, partials ~2). A wrong layer: O(1).
+    out32, sliced32 = np.asarray(out, np.float32), np.asarray(sliced, np.float32)
+    np.testing.assert_allclose(out32, sliced32, rtol=0,
+                               atol=2.0**-8 * np.abs(sliced32).max(), err_msg=f"seed {seed}")
     for l in range(ref.shape[0]):
         assert _rel_err(out[l], ref[l]) < 6e-2, (seed, l)
 
