@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (2 x H200): FP8 attention tests and benchmark, every stage under its own
-# timeout, logs under $OUT (7 files). GPU 0: benchmark; first the contenders and the known
+# timeout, logs under $OUT (7 files, 8 with the profile). GPU 0: benchmark; first the contenders and the known
 # kernel (VARIANTS_A), then the new variants (VARIANTS_B), so that a failing or hanging
 # new variant cannot cost the known numbers. GPU 1, in parallel: the GPU tests.
 # CPU tests in the background on the host.
@@ -8,7 +8,10 @@
 # Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2: GPU run 5's kernel), VARIANTS_B
 # (default: attention_pallas's defaults; names in bench_attention.py's _Variants),
 # CONTENDERS (1: cuDNN, XLA, PyTorch),
-# ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s).
+# ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s), TESTS_K (pytest -k filter of the GPU
+# tests, default all), PTXAS_B (1: ptxas -v of stage B's kernels, its register and spill
+# lines in the summary), PROFILE_VARIANT (a variant name: then the Mosaic GPU profile of
+# that variant at 18 heads, stream-K, after the benchmarks, in $OUT/prof.tgz).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
@@ -21,17 +24,28 @@ ITERS=${ITERS:-20}
     tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/cpu_tests.txt" 2>&1 &
 ( nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
   CUDA_VISIBLE_DEVICES=1 timeout "${T_TESTS:-300}" python3 -m pytest -v -s -m gpu \
-    -p no:cacheprovider tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/gpu_tests.txt" 2>&1 &
+    -p no:cacheprovider tests/test_fp8_attention.py -k "${TESTS_K:-}"; echo "rc=$?" \
+  ) > "$OUT/gpu_tests.txt" 2>&1 &
 export CUDA_VISIBLE_DEVICES=0
 timeout "${T_A:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _a \
     --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_a.txt --variants "$VARIANTS_A" \
     --contenders "$CONTENDERS" > "$OUT/bench_a.txt" 2>&1
 echo "bench_a rc=$?"
-timeout "${T_B:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _b \
+PTXAS_ENV=(); [ "${PTXAS_B:-0}" = 1 ] && PTXAS_ENV=(MOSAIC_GPU_DUMP_PTXAS=1)
+env "${PTXAS_ENV[@]}" timeout "${T_B:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _b \
     --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_b.txt --variants "$VARIANTS_B" \
     --contenders 0 > "$OUT/bench_b.txt" 2>&1
 echo "bench_b rc=$?"
+if [ -n "${PROFILE_VARIANT:-}" ]; then
+  mkdir -p /tmp/prof
+  timeout "${T_PROF:-120}" python3 benchmarks/attention_profile.py --out /tmp/prof --heads 18 \
+    --schedules stream_k --variant "$PROFILE_VARIANT" > /tmp/prof/profile.txt 2>&1 \
+    || echo "profile rc=$?"
+  tail -25 /tmp/prof/profile.txt
+  tar czf "$OUT/prof.tgz" -C /tmp prof
+fi
 wait
+grep -h "registers\|spill\|arning" "$OUT/bench_b.txt" | sort | uniq -c | head -20
 grep -h "rel_err\|stream-K\|passed\|failed\|rc=\|Error" "$OUT/gpu_tests.txt" | cut -c1-250 | tail -40
 tail -3 "$OUT/cpu_tests.txt"
 grep -h "Error\|error" "$OUT/bench_a.txt" "$OUT/bench_b.txt" | cut -c1-300 | head -8

@@ -360,7 +360,7 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None):
+                        block_masked=None, overlap=False):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -405,6 +405,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
       fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
+      overlap: FlashAttention-3's intra-warpgroup pipelining. Per KV block a warpgroup
+        issues Q.K^T of the next block, then P.V of this one, waits for the former only
+        and runs the next block's softmax while P.V is on the tensor cores (a second
+        [64, bkv] f32 accumulator in registers). False: Q.K^T, softmax and P.V in turn.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -442,6 +446,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
+    if overlap and pingpong:
+        raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -543,7 +549,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
             if n_qbuf == 2:
                 issue_q(t_first, 0)
-            plgpu.barrier_wait(k_bars.at[0])
+            if not overlap:  # (with overlap, each segment waits for its first K)
+                plgpu.barrier_wait(k_bars.at[0])
             pl.when(wg == 1)(schedule_barrier)  # the ping-pong's offset (no-op without)
 
             @pl.loop(t_first, t_last + 1)
@@ -569,57 +576,78 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 acc = plgpu.layout_cast(jnp.full((BLOCK_Q, d), 0.0, jnp.float32),
                                         plgpu.Layout.WGMMA)
 
-                def kv_step(j, carry):
-                    acc, m_i, l_i = carry
-                    step = t * nb + j - u0  # this CTA's pipeline step
-                    slot = lax.rem(step, stages)
+                def issue_qk(s_ref, slot):
+                    for part in range(n_parts):  # s = (q_hi + q_lo) . k
+                        plgpu.wgmma(s_ref, q_smem.at[part], k_smem.at[slot].T)
 
-                    def qk(acc_ref):
-                        for part in range(n_parts):  # s = (q_hi + q_lo) . k
-                            plgpu.wgmma(acc_ref, q_smem.at[part], k_smem.at[slot].T)
-                        schedule_barrier()
-                        return acc_ref[...]
+                def issue_pv(acc_ref, sums_ref, p8, slot):
+                    plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
+                    if l_in_pv:  # this block's row sums of P, in a fresh accumulator
+                        plgpu.wgmma(sums_ref, p8, ones_smem.T)
 
-                    with jax.named_scope("qk"):
-                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                def softmax(s, m_i, slot, masked):
+                    """Online softmax of one block: (p8, m_new, alpha, the row sums of P or
+                    None with l_in_pv); m in the log2 domain, P = 256 exp2(s - m_new) as
+                    e4m3 in the 8-bit wgmma layout, alpha = exp2(m_i - m_new). Releases
+                    the K stage (K and the bias) once the bias is read."""
+                    rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
+                    if masked:
+                        b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        plgpu.barrier_arrive(k_done.at[slot])
+                        s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
+                        m_new = jnp.maximum(m_i, s.max(axis=1))
+                        p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE,
+                                                              s.shape, [0]))
+                    else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
+                        plgpu.barrier_arrive(k_done.at[slot])
+                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
+                        p = jnp.exp2(s * rs + lax.broadcast_in_dim(
+                            _P_LOG2_SCALE - m_new, s.shape, [0]))
+                    alpha = jnp.exp2(m_i - m_new)
+                    psum = None if l_in_pv else p.sum(axis=1)
+                    return to_8bit_a(p.astype(F8)), m_new, alpha, psum
+
+                def softmax_block(s, m_i, slot, j):
+                    with jax.named_scope("softmax"):
+                        if fast_unmasked:
+                            return lax.cond(mask_ref[j] != 0,
+                                            functools.partial(softmax, masked=True),
+                                            functools.partial(softmax, masked=False),
+                                            s, m_i, slot)
+                        return softmax(s, m_i, slot, masked=True)
+
+                def row_sums(sums, psum):
+                    # l_in_pv: all 8 columns of the row-sum accumulator hold the sums
+                    return sums.max(axis=1) if l_in_pv else psum
+
+                def fresh_acc(cols):
+                    return plgpu.ACC.init(plgpu.layout_cast(
+                        jnp.full((BLOCK_Q, cols), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+
+                def maybe_signal(step):
                     if has_partials:
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
                             signal_partial)
 
-                    def softmax(s, m_i, l_i, acc, masked):
-                        """Online softmax of one block: (p8, acc, m, l); m, l in the log2
-                        domain, P = 256 exp2(s - m) as e4m3 in the 8-bit wgmma layout.
-                        Releases the K stage (K and the bias) once the bias is read."""
-                        rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
-                        if masked:
-                            b = plgpu.load(b_smem.at[slot],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
-                            plgpu.barrier_arrive(k_done.at[slot])
-                            s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
-                            m_new = jnp.maximum(m_i, s.max(axis=1))
-                            p = jnp.exp2(s - lax.broadcast_in_dim(m_new - _P_LOG2_SCALE,
-                                                                  s.shape, [0]))
-                        else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
-                            plgpu.barrier_arrive(k_done.at[slot])
-                            m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
-                            p = jnp.exp2(s * rs + lax.broadcast_in_dim(
-                                _P_LOG2_SCALE - m_new, s.shape, [0]))
-                        alpha = jnp.exp2(m_i - m_new)
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        # with l_in_pv the block's row sums come from the P.V step
-                        l_i = l_i * alpha if l_in_pv else l_i * alpha + p.sum(axis=1)
-                        p8 = to_8bit_a(p.astype(F8))
-                        return lax.optimization_barrier((acc, l_i, m_new, p8))
+                def kv_step(j, carry):
+                    """One KV block: Q.K^T, wait, softmax, P.V, wait."""
+                    acc, m_i, l_i = carry
+                    step = t * nb + j - u0  # this CTA's pipeline step
+                    slot = lax.rem(step, stages)
 
+                    def qk(s_ref):
+                        issue_qk(s_ref, slot)
+                        schedule_barrier()
+                        return s_ref[...]
+
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    maybe_signal(step)
+                    p8, m_new, alpha, psum = softmax_block(s, m_i, slot, j)
                     with jax.named_scope("softmax"):
-                        if fast_unmasked:
-                            acc, l_i, m_new, p8 = lax.cond(
-                                mask_ref[j] != 0,
-                                functools.partial(softmax, masked=True),
-                                functools.partial(softmax, masked=False),
-                                s, m_i, l_i, acc)
-                        else:
-                            acc, l_i, m_new, p8 = softmax(s, m_i, l_i, acc, masked=True)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha if l_in_pv else l_i * alpha + psum
+                        acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
                     with jax.named_scope("sync"):
                         if pingpong:
                             plgpu.barrier_arrive(sched)
@@ -628,10 +656,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.barrier_wait(sched)
 
                     def pv(refs):
-                        acc_ref, sum_ref = refs
-                        plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
-                        if l_in_pv:  # this block's row sums of P, in a fresh accumulator
-                            plgpu.wgmma(sum_ref, p8, ones_smem.T)
+                        issue_pv(*refs, p8, slot)
                         nxt = step + 1
 
                         @pl.when(nxt < n_steps)
@@ -639,16 +664,82 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
                     with jax.named_scope("pv"):
-                        sums0 = (plgpu.ACC.init(plgpu.layout_cast(
-                            jnp.full((BLOCK_Q, 8), 0.0, jnp.float32), plgpu.Layout.WGMMA))
-                            if l_in_pv else None)
-                        acc, sums = pl.run_state(pv)((plgpu.ACC.init(acc), sums0))
+                        acc, sums = pl.run_state(pv)(
+                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None))
                     plgpu.barrier_arrive(v_done.at[slot])
-                    if l_in_pv:  # all 8 columns hold the row sums
-                        l_i = l_i + sums.max(axis=1)
+                    if l_in_pv:
+                        l_i = l_i + row_sums(sums, None)
                     return acc, m_new, l_i
 
-                acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
+                def first_block(m_i):
+                    """overlap: Q.K^T and the softmax of the segment's first block:
+                    (p8, m, row sums)."""
+                    step = t * nb + jb - u0
+                    slot = lax.rem(step, stages)
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(k_bars.at[slot])
+
+                    def qk(s_ref):
+                        issue_qk(s_ref, slot)
+                        return s_ref[...]
+
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    maybe_signal(step)
+                    p8, m_new, _, psum = softmax_block(s, m_i, slot, jb)
+                    return p8, m_new, psum
+
+                def overlapped_step(j, carry, has_next):
+                    """overlap: the P.V (and row-sum) wgmmas of block j run while the
+                    softmax of block j + 1 does: Q.K^T of block j + 1 is issued first,
+                    then P.V of block j; the wait for the former leaves the latter in
+                    flight. carry: (acc, m, l) over the blocks before j, with block j's
+                    (p8, row sums)."""
+                    acc, m_i, l_i, p8, psum = carry
+                    step = t * nb + j - u0
+                    slot = lax.rem(step, stages)
+                    slot_n = lax.rem(step + 1, stages)
+                    with jax.named_scope("sync"):
+                        if has_next:
+                            plgpu.barrier_wait(k_bars.at[slot_n])
+                        plgpu.barrier_wait(v_bars.at[slot])
+
+                    def body(refs):
+                        acc_ref, sums_ref, s_ref, next_refs = refs
+                        if has_next:
+                            issue_qk(s_ref, slot_n)
+                        issue_pv(acc_ref, sums_ref, p8, slot)
+                        if not has_next:
+                            return
+                        with jax.named_scope("qk"):
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 + int(l_in_pv))
+                        for ref, value in zip(next_refs, softmax_block(s, m_i, slot_n, j + 1)):
+                            if ref is not None:
+                                ref[...] = value
+
+                    # The softmax's results leave run_state through refs initialized with
+                    # values of the same types and layouts (block j's).
+                    inits = (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None,
+                             fresh_acc(block_kv) if has_next else None,
+                             (p8, m_i, m_i, psum) if has_next else None)
+                    with jax.named_scope("pv"):
+                        acc, sums, _, nxt = pl.run_state(body)(inits)
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    l_i = l_i + row_sums(sums, psum)
+                    if not has_next:
+                        return acc, m_i, l_i
+                    p8_n, m_n, alpha, psum_n = nxt
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    return acc, m_n, l_i * alpha, p8_n, psum_n
+
+                if overlap:
+                    p8, m_i, psum = first_block(m_i)
+                    carry = lax.fori_loop(
+                        jb, je - 1, functools.partial(overlapped_step, has_next=True),
+                        (acc, m_i, l_i, p8, psum))
+                    acc, m_i, l_i = overlapped_step(je - 1, carry, has_next=False)
+                else:
+                    acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
 
                 @jax.named_scope("store")
                 def store_output(acc, l_i):
@@ -853,7 +944,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int = 2,
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
-                   fast_unmasked: bool = True) -> dict:
+                   fast_unmasked: bool = True, overlap: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need."""
@@ -863,17 +954,20 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         tq=tq, block_kv=block_kv, stages=stages, v_in_kernel=v_in_kernel,
         num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
-        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None)
+        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
+        overlap=overlap)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
-                                             "pingpong", "l_in_pv", "fast_unmasked"))
+                                             "pingpong", "l_in_pv", "fast_unmasked",
+                                             "overlap"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
-                     l_in_pv: bool = True, fast_unmasked: bool = True):
+                     l_in_pv: bool = True, fast_unmasked: bool = True,
+                     overlap: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -896,7 +990,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               stages=stages, v_in_kernel=v_in_kernel,
                                               persistent=persistent, num_sms=num_sms,
                                               pingpong=pingpong, l_in_pv=l_in_pv,
-                                              fast_unmasked=fast_unmasked))
+                                              fast_unmasked=fast_unmasked,
+                                              overlap=overlap))
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
