@@ -360,7 +360,7 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None, overlap=False):
+                        block_masked=None, overlap=False, p_in_smem=False):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -409,6 +409,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         issues Q.K^T of the next block, then P.V of this one, waits for the former only
         and runs the next block's softmax while P.V is on the tensor cores (a second
         [64, bkv] f32 accumulator in registers). False: Q.K^T, softmax and P.V in turn.
+      p_in_smem: with overlap, P reaches its wgmma through shared memory (two buffers per
+        warpgroup, aliasing the output staging buffer) instead of registers: ptxas
+        serializes wgmmas whose register operands are computed while others are in
+        flight (its C7513 "Potential Performance Loss").
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -448,6 +452,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
     if overlap and pingpong:
         raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
+    if p_in_smem and not (overlap and jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
+        raise ValueError("p_in_smem needs overlap, a 16-bit output and block_kv == 128")
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -495,6 +501,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         wg = lax.axis_index("wg")
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem,
          lse_smem2, (ones_smem, ones_plain)), bars = scoped
+        if p_in_smem:  # P's two buffers per warpgroup alias the output staging buffer
+            o_smem2, p_smem2 = o_smem2
         (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
         t_first, t_last = lax.div(u0, nb), lax.div(u1 - 1, nb)
         # A CTA whose first segment is a partial signals it after the next segment's first
@@ -524,6 +532,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+            p_smem = p_smem2.at[wg] if p_in_smem else None
             q_dst2 = q_smem2_tma if v_in_kernel else q_smem2
 
             def tile_rows(t):
@@ -585,11 +594,14 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if l_in_pv:  # this block's row sums of P, in a fresh accumulator
                         plgpu.wgmma(sums_ref, p8, ones_smem.T)
 
-                def softmax(s, m_i, slot, masked):
-                    """Online softmax of one block: (p8, m_new, alpha, the row sums of P or
-                    None with l_in_pv); m in the log2 domain, P = 256 exp2(s - m_new) as
-                    e4m3 in the 8-bit wgmma layout, alpha = exp2(m_i - m_new). Releases
-                    the K stage (K and the bias) once the bias is read."""
+                def softmax(s, m_i, l_i, acc, slot, masked):
+                    """Online softmax of one block: (p8, m_new, alpha, row sums of P or
+                    None with l_in_pv, acc, l_i); m in the log2 domain, P = 256 exp2(s -
+                    m_new) as e4m3 in the 8-bit wgmma layout, alpha = exp2(m_i - m_new).
+                    acc and l_i are rescaled by alpha here (their multiplies interleave
+                    with the exponentials), or passed as None (overlap: acc is in flight)
+                    and returned so. Releases the K stage (K and the bias) once the bias
+                    is read."""
                     rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
                     if masked:
                         b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -605,16 +617,20 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             _P_LOG2_SCALE - m_new, s.shape, [0]))
                     alpha = jnp.exp2(m_i - m_new)
                     psum = None if l_in_pv else p.sum(axis=1)
-                    return to_8bit_a(p.astype(F8)), m_new, alpha, psum
+                    if acc is not None:
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha if l_in_pv else l_i * alpha + psum
+                    p8 = to_8bit_a(p.astype(F8))
+                    return lax.optimization_barrier((p8, m_new, alpha, psum, acc, l_i))
 
-                def softmax_block(s, m_i, slot, j):
+                def softmax_block(s, m_i, slot, j, l_i=None, acc=None):
                     with jax.named_scope("softmax"):
                         if fast_unmasked:
                             return lax.cond(mask_ref[j] != 0,
                                             functools.partial(softmax, masked=True),
                                             functools.partial(softmax, masked=False),
-                                            s, m_i, slot)
-                        return softmax(s, m_i, slot, masked=True)
+                                            s, m_i, l_i, acc, slot)
+                        return softmax(s, m_i, l_i, acc, slot, masked=True)
 
                 def row_sums(sums, psum):
                     # l_in_pv: all 8 columns of the row-sum accumulator hold the sums
@@ -643,11 +659,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     with jax.named_scope("qk"):
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                     maybe_signal(step)
-                    p8, m_new, alpha, psum = softmax_block(s, m_i, slot, j)
-                    with jax.named_scope("softmax"):
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        l_i = l_i * alpha if l_in_pv else l_i * alpha + psum
-                        acc, l_i, m_new, p8 = lax.optimization_barrier((acc, l_i, m_new, p8))
+                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc)
                     with jax.named_scope("sync"):
                         if pingpong:
                             plgpu.barrier_arrive(sched)
@@ -671,6 +683,19 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         l_i = l_i + row_sums(sums, None)
                     return acc, m_new, l_i
 
+                def keep_p(p8, step):
+                    """overlap: where the P of pipeline step ``step`` waits for its P.V:
+                    in registers (returns p8), or with p_in_smem in SMEM buffer step % 2
+                    (returns None)."""
+                    if not p_in_smem:
+                        return p8
+                    p_smem.at[lax.rem(step, 2)][...] = p8
+                    plgpu.commit_smem()  # visible to the wgmma (async proxy), all threads
+                    return None
+
+                def p_of(p8, step):
+                    return p_smem.at[lax.rem(step, 2)] if p_in_smem else p8
+
                 def first_block(m_i):
                     """overlap: Q.K^T and the softmax of the segment's first block:
                     (p8, m, row sums)."""
@@ -686,8 +711,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     with jax.named_scope("qk"):
                         s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
                     maybe_signal(step)
-                    p8, m_new, _, psum = softmax_block(s, m_i, slot, jb)
-                    return p8, m_new, psum
+                    p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb)
+                    return keep_p(p8, step), m_new, psum
 
                 def overlapped_step(j, carry, has_next):
                     """overlap: the P.V (and row-sum) wgmmas of block j run while the
@@ -708,12 +733,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         acc_ref, sums_ref, s_ref, next_refs = refs
                         if has_next:
                             issue_qk(s_ref, slot_n)
-                        issue_pv(acc_ref, sums_ref, p8, slot)
+                        issue_pv(acc_ref, sums_ref, p_of(p8, step), slot)
                         if not has_next:
                             return
                         with jax.named_scope("qk"):
                             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 + int(l_in_pv))
-                        for ref, value in zip(next_refs, softmax_block(s, m_i, slot_n, j + 1)):
+                        p8_n, *rest = softmax_block(s, m_i, slot_n, j + 1)[:4]
+                        for ref, value in zip(next_refs, (keep_p(p8_n, step + 1), *rest)):
                             if ref is not None:
                                 ref[...] = value
 
@@ -765,6 +791,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem, part_ref.at[cta, wg])
                     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[cta, wg])
+                    if p_in_smem:  # the next segment's P reuses o_smem's bytes
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     pl.when(jnp.logical_not(defer_signal))(signal_partial)
 
                 @pl.when(jb == 0)
@@ -889,9 +917,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
             vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
         lse_rows = BLOCK_Q if has_partials else 8  # stream-K partials' lse (unused else)
+        o_spec = plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw))
+        if p_in_smem:  # same bytes per warpgroup: 64 x 128 bf16 = 2 x 64 x 128 e4m3
+            o_spec = plgpu.RefUnion(o_spec, plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q, block_kv),
+                                                       F8, transforms=(t8, sw)))
         smem = (
             q_spec,
-            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), out_dtype, transforms=(t16, sw)),
+            o_spec,
             plgpu.SMEM((n_qbuf, COMPUTE_WGS, 2, BLOCK_Q), jnp.float32),
             # K: TMA writes through an untiled view (the (8, 128) tiling of 128-byte
             # rows is the identity, so no S % 8 == 0 requirement on the cache) and the
@@ -944,7 +976,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int = 2,
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
-                   fast_unmasked: bool = True, overlap: bool = False) -> dict:
+                   fast_unmasked: bool = True, overlap: bool = False,
+                   p_in_smem: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need."""
@@ -955,19 +988,19 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
-        overlap=overlap)
+        overlap=overlap, p_in_smem=p_in_smem)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
-                                             "overlap"))
+                                             "overlap", "p_in_smem"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: bool = False):
+                     overlap: bool = False, p_in_smem: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -991,7 +1024,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               persistent=persistent, num_sms=num_sms,
                                               pingpong=pingpong, l_in_pv=l_in_pv,
                                               fast_unmasked=fast_unmasked,
-                                              overlap=overlap))
+                                              overlap=overlap, p_in_smem=p_in_smem))
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)

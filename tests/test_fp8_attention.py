@@ -256,7 +256,7 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
 @pytest.mark.parametrize("v_in_kernel,q_split,stages,persistent,overlap", [
     (True, True, 3, True, False), (True, True, 2, True, False), (True, True, 2, False, False),
     (True, False, 3, True, False), (False, True, 3, True, False), (True, True, 2, True, True),
-    (True, False, 2, False, True)])
+    (True, False, 2, False, True), (True, True, 2, True, "p_in_smem")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -268,7 +268,8 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
     try:
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
-            stages=stages, persistent=persistent, num_sms=132, overlap=overlap).lower(
+            stages=stages, persistent=persistent, num_sms=132, overlap=bool(overlap),
+            p_in_smem=overlap == "p_in_smem").lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
@@ -357,7 +358,8 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     _OLD, {**_OLD, "pingpong": False}, {**_OLD, "l_in_pv": True},
     {**_OLD, "fast_unmasked": True}, {**_OLD, "l_in_pv": True, "fast_unmasked": True},
     dict(persistent=False), dict(overlap=True), dict(overlap=True, persistent=False),
-    dict(overlap=True, l_in_pv=False, fast_unmasked=False)])
+    dict(overlap=True, l_in_pv=False, fast_unmasked=False), dict(overlap=True, p_in_smem=True),
+    dict(overlap=True, p_in_smem=True, l_in_pv=False, persistent=False)])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -379,11 +381,14 @@ def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
     assert diff < 2e-2
 
 
+_OV, _OV_PS = dict(overlap=True), dict(overlap=True, p_in_smem=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,num_sms,overlap", [
-    (18, None, False), (36, None, False), (3, 132, False), (2, 20, False), (18, None, True),
-    (3, 132, True)])
-def test_stream_k_matches_grid_and_reference(h, num_sms, overlap):
+@pytest.mark.parametrize("h,num_sms,opts", [
+    (18, None, {}), (36, None, {}), (3, 132, {}), (2, 20, {}), (18, None, _OV),
+    (3, 132, _OV), (18, None, _OV_PS), (3, 132, _OV_PS), (2, 20, _OV_PS)])
+def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
     one-tile-per-CTA grid and the float32 reference; every row written (NaN-filled
@@ -393,14 +398,14 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, overlap):
     q, k, v, ks, vs = _inputs(jax.random.key(h), tq, s, h, d)
     valid = _valid(s, sink=1246, masked_prefix=200)
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
-    sk = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, num_sms=num_sms,
-                                        overlap=overlap), np.float32)
+    sk = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, num_sms=num_sms, **opts),
+                    np.float32)
     grid = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, persistent=False),
                       np.float32)
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     assert np.isfinite(sk).all()
     err, err_grid, diff = _rel(sk, ref), _rel(grid, ref), _rel(sk, grid)
-    print(f"stream-K h={h} num_sms={num_sms} overlap={overlap}: rel_err {err:.4g} (grid {err_grid:.4g}), "
+    print(f"stream-K h={h} num_sms={num_sms} {opts}: rel_err {err:.4g} (grid {err_grid:.4g}), "
           f"vs grid {diff:.3g}")
     assert err < 3e-2
     assert diff < 1e-2  # bf16 partials: a rounding apart
