@@ -264,7 +264,7 @@ class _Variants(dict):
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
     the tensor core), '_fast' (no bias on unmasked blocks), '_ov' (intra-warpgroup overlap
     of P.V with the next softmax; implies '_np'), '_ps' (with '_ov': P through shared
-    memory); e.g. 'kv_split_s2_lpv_fast_np' (the
+    memory), '_bx' (exponentials from float bits); e.g. 'kv_split_s2_lpv_fast_np' (the
     default since GPU run 6); 'default': attention_pallas's own defaults."""
 
     def __missing__(self, name):
@@ -272,10 +272,11 @@ class _Variants(dict):
             sig = inspect.signature(fa.attention_pallas).parameters
             return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
-                                                "fast_unmasked", "overlap", "p_in_smem")}
+                                                "fast_unmasked", "overlap", "p_in_smem",
+                                                "bit_exp2")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
-        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "ps"}
+        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "ps", "bx"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -283,7 +284,7 @@ class _Variants(dict):
                     persistent="grid" not in flags,
                     pingpong=not {"np", "ov"} & set(flags), l_in_pv="lpv" in flags,
                     fast_unmasked="fast" in flags, overlap="ov" in flags,
-                    p_in_smem="ps" in flags)
+                    p_in_smem="ps" in flags, bit_exp2="bx" in flags)
 
 
 def attn_kernel_us(breakdown):

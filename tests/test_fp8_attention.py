@@ -134,14 +134,17 @@ def test_prepared_inputs_layout_and_split_q():
     assert (np.asarray(bias)[s:] < -1e29).all() and (np.asarray(bias)[:s] < -1e29).sum() == 7
 
 
-@pytest.mark.parametrize("l_from_p8,fast", [(False, False), (True, False), (True, True)])
-def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast):
+@pytest.mark.parametrize("l_from_p8,fast,bits", [
+    (False, False, False), (True, False, False), (True, True, False), (True, True, True),
+    (True, False, True)])
+def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast, bits):
     """numpy emulation of the kernel's arithmetic on the prepared inputs: online softmax
     per 128-key block, e4m3 P read through the 8-bit register regroup, permuted V^T.
     (On the H200 the kernel matched this emulation to 3 digits: 0.0622 vs 0.0621.)
     l_from_p8: the row sums taken over the e4m3 P (``l_in_pv``), not the f32 P.
     fast: blocks without a masked slot skip the bias, the row max taken over the raw
-    logits times the (positive) row factor (``fast_unmasked``)."""
+    logits times the (positive) row factor (``fast_unmasked``).
+    bits: the exponentials from float bits (``bit_exp2``, :func:`fa.exp2_from_bits`)."""
     tq, s, h, d, bkv = 200, 300, 2, 128, 128
     q, k, v, ks, vs = _inputs(jax.random.key(6), tq, s, h, d)
     valid = _valid(s, sink=150, masked_prefix=20, ring_filled=100)
@@ -163,11 +166,17 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast):
             raw = qq[:, hh] @ kp[blk, hh].T
             if fast and not masked[j]:
                 mn = np.maximum(m, raw.max(1) * c)
-                p = np.exp2(raw * c[:, None] + (fa._P_LOG2_SCALE - mn)[:, None])
+                y = raw * c[:, None] + (fa._P_LOG2_SCALE - mn)[:, None]
             else:
                 ss = raw * c[:, None] + bias[None, blk]
                 mn = np.maximum(m, ss.max(1))
-                p = np.exp2(ss - (mn - fa._P_LOG2_SCALE)[:, None])
+                y = ss - (mn - fa._P_LOG2_SCALE)[:, None]
+            if bits:
+                u = np.maximum(y + np.float32(fa._EXP2_MAGIC), fa._EXP2_MAGIC + fa._EXP2_FLOOR)
+                p = np.asarray(fa.exp2_from_bits(jnp.asarray(u, jnp.float32)))
+                assert np.all(p[y < -20] < 1e-6) and np.all(p > 0)
+            else:
+                p = np.exp2(y)
             al = np.exp2(m - mn)
             p8 = np.asarray(jnp.asarray(p).astype(fa.F8).astype(jnp.float32))
             acc, l, m = acc * al[:, None], l * al + (p8 if l_from_p8 else p).sum(1), mn
@@ -359,7 +368,9 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     {**_OLD, "fast_unmasked": True}, {**_OLD, "l_in_pv": True, "fast_unmasked": True},
     dict(persistent=False), dict(overlap=True), dict(overlap=True, persistent=False),
     dict(overlap=True, l_in_pv=False, fast_unmasked=False), dict(overlap=True, p_in_smem=True),
-    dict(overlap=True, p_in_smem=True, l_in_pv=False, persistent=False)])
+    dict(overlap=True, p_in_smem=True, l_in_pv=False, persistent=False), dict(bit_exp2=True),
+    dict(bit_exp2=True, fast_unmasked=False, persistent=False),
+    dict(overlap=True, p_in_smem=True, bit_exp2=True)])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -381,13 +392,14 @@ def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
     assert diff < 2e-2
 
 
-_OV, _OV_PS = dict(overlap=True), dict(overlap=True, p_in_smem=True)
+_OV, _OV_PS, _BX = dict(overlap=True), dict(overlap=True, p_in_smem=True), dict(bit_exp2=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,num_sms,opts", [
     (18, None, {}), (36, None, {}), (3, 132, {}), (2, 20, {}), (18, None, _OV),
-    (3, 132, _OV), (18, None, _OV_PS), (3, 132, _OV_PS), (2, 20, _OV_PS)])
+    (3, 132, _OV), (18, None, _OV_PS), (3, 132, _OV_PS), (2, 20, _OV_PS),
+    (18, None, _BX), (2, 20, _BX)])
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -412,13 +424,13 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v_in_kernel", [True, False])
-def test_kernel_masked_slots_have_no_influence(v_in_kernel):
+@pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX])
+def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
     q, k, v, ks, vs = _inputs(jax.random.key(7), tq, s, h, d)
     valid = _valid(s, sink=400, masked_prefix=150, ring_filled=450)
-    f = functools.partial(fa.attention_pallas, v_in_kernel=v_in_kernel)
+    f = functools.partial(fa.attention_pallas, **opts)
     out = f(q, k, v, ks, vs, valid)
     m = ~valid[:, None, None]
     k2 = jnp.where(m, jnp.full_like(k, 400.0), k)
@@ -428,11 +440,15 @@ def test_kernel_masked_slots_have_no_influence(v_in_kernel):
 
 
 @pytest.mark.gpu
-def test_kernel_fully_masked_no_nan():
+@pytest.mark.parametrize("s,opts", [(300, {}), (300, _BX), (2000, dict(num_sms=4)),
+                                    (2000, dict(num_sms=4, bit_exp2=True))])
+def test_kernel_fully_masked_no_nan(s, opts):
+    """No valid slot: zeros, no NaN (also with stream-K partials over masked blocks only,
+    and with bit_exp2, where masked slots give P = 0 and the row sums are 0)."""
     _require_hopper()
-    tq, s, h, d = 100, 300, 1, 128
+    tq, h, d = 100, 1, 128
     q, k, v, ks, vs = _inputs(jax.random.key(8), tq, s, h, d)
-    out = fa.attention(q, k, v, ks, vs, jnp.zeros((s,), bool), impl="pallas")
+    out = fa.attention_pallas(q, k, v, ks, vs, jnp.zeros((s,), bool), **opts)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any()
     np.testing.assert_array_equal(out, 0.0)
