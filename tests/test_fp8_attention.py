@@ -370,7 +370,7 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(overlap=True, l_in_pv=False, fast_unmasked=False), dict(overlap=True, p_in_smem=True),
     dict(overlap=True, p_in_smem=True, l_in_pv=False, persistent=False), dict(bit_exp2=True),
     dict(bit_exp2=True, fast_unmasked=False, persistent=False),
-    dict(overlap=True, p_in_smem=True, bit_exp2=True)])
+    dict(overlap=True, p_in_smem=True, bit_exp2=True), dict(bit_exp2=True, pingpong=True)])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
