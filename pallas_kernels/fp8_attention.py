@@ -379,7 +379,7 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None, overlap=False, p_in_smem=False, bit_exp2=False):
+                        block_masked=None, overlap="", p_in_smem=False, bit_exp2=False):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -424,10 +424,16 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
       fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
-      overlap: FlashAttention-3's intra-warpgroup pipelining. Per KV block a warpgroup
-        issues Q.K^T of the next block, then P.V of this one, waits for the former only
-        and runs the next block's softmax while P.V is on the tensor cores (a second
-        [64, bkv] f32 accumulator in registers). False: Q.K^T, softmax and P.V in turn.
+      overlap: intra-warpgroup pipelining (FlashAttention-3), "" for none (Q.K^T, softmax
+        and P.V in turn).
+        "pv": per KV block a warpgroup issues Q.K^T of the next block, then P.V of this
+        one, waits for the former only and runs the next block's softmax while P.V is on
+        the tensor cores (a second [64, bkv] f32 accumulator in registers).
+        "qk": the softmax of block j runs while Q.K^T of block j + 1 and P.V of block
+        j - 1 are on the tensor cores: S_j in registers, S_{j+1} in flight in the second
+        accumulator, P through shared memory (as p_in_smem), and the output accumulator
+        and row sums stay in flight across blocks (one run_scoped over the segment with
+        explicit wgmma waits).
       bit_exp2: P's exponentials from float bits (:func:`exp2_from_bits`: a clamp and
         an integer multiply-add per element) instead of the MUFU ex2, whose throughput (16
         per SM and cycle) bounds the two warpgroups' softmaxes when they overlap.
@@ -472,10 +478,15 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
+    if overlap not in ("", "pv", "qk"):
+        raise ValueError(f"overlap must be '', 'pv' or 'qk', got {overlap!r}")
     if overlap and pingpong:
         raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
-    if p_in_smem and not (overlap and jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
-        raise ValueError("p_in_smem needs overlap, a 16-bit output and block_kv == 128")
+    if p_in_smem and overlap != "pv":
+        raise ValueError("p_in_smem is an option of overlap='pv' ('qk' always uses it)")
+    p_in_smem = p_in_smem or overlap == "qk"
+    if p_in_smem and not (jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
+        raise ValueError("P in shared memory needs a 16-bit output and block_kv == 128")
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -786,7 +797,87 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     return acc, m_n, l_i * alpha, p8_n, psum_n
 
-                if overlap:
+                def qk_pipelined_segment(m_i, l_i):
+                    """overlap='qk': the segment's KV blocks jb..je-1 with the softmax of
+                    block j under Q.K^T of block j + 1 and P.V of block j - 1. Returns
+                    (acc, m, l) once every wgmma has completed."""
+                    step0 = t * nb + jb - u0
+                    n_pv = 1 + int(l_in_pv)  # wgmma groups per P.V (with the row sums)
+
+                    def body(acc_ref, s_ref, sums_ref):
+                        slot0 = lax.rem(step0, stages)
+                        with jax.named_scope("sync"):
+                            plgpu.barrier_wait(k_bars.at[slot0])
+                        with jax.named_scope("qk"):
+                            issue_qk(s_ref, slot0)
+                            s0 = plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
+                        maybe_signal(step0)
+
+                        def step(j, carry, has_next):
+                            # carry: S_j (waited), m over blocks < j, l over blocks < j - 1
+                            # (scale m_{j-1}), the row sums of P_{j-1} (None with l_in_pv:
+                            # they are in sums_ref, in flight with P.V_{j-1}).
+                            s_cur, m_i, l_i, psum_prev = carry
+                            step = t * nb + j - u0
+                            slot = lax.rem(step, stages)
+                            if has_next:  # Q.K^T of block j + 1 into the free accumulator
+                                slot_n = lax.rem(step + 1, stages)
+                                with jax.named_scope("sync"):
+                                    plgpu.barrier_wait(k_bars.at[slot_n])
+                                s_ref[...] = plgpu.layout_cast(
+                                    jnp.full((BLOCK_Q, block_kv), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
+                                issue_qk(s_ref, slot_n)
+                            p8, m_new, alpha, psum, _, _ = softmax_block(s_cur, m_i, slot, j)
+                            keep_p(p8, step)
+                            with jax.named_scope("pv"):
+                                # P.V_{j-1} and its row sums done; Q.K^T_{j+1} may run on
+                                plgpu.wgmma_wait(n_parts if has_next else 0)
+
+                                @pl.when(j > jb)
+                                def _():
+                                    plgpu.barrier_arrive(v_done.at[lax.rem(step - 1, stages)])
+
+                                if l_in_pv:
+                                    rows = plgpu.wgmma_accumulator_load(
+                                        sums_ref, wait_n=None).max(axis=1)
+                                    sums_ref[...] = plgpu.layout_cast(
+                                        jnp.full((BLOCK_Q, 8), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA)
+                                else:
+                                    rows = psum_prev
+                                l_i = (l_i + rows) * alpha
+                                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
+                                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                                with jax.named_scope("sync"):
+                                    plgpu.barrier_wait(v_bars.at[slot])
+                                issue_pv(acc_ref, sums_ref, p_of(None, step), slot)
+                            if has_next:
+                                with jax.named_scope("qk"):
+                                    s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=n_pv)
+                                return s_next, m_new, l_i, psum
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(v_done.at[slot])
+                            if l_in_pv:
+                                psum = plgpu.wgmma_accumulator_load(
+                                    sums_ref, wait_n=None).max(axis=1)
+                            acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=None)
+                            return acc, m_new, l_i + psum
+
+                        psum0 = None if l_in_pv else l_i
+                        carry = lax.fori_loop(jb, je - 1,
+                                              functools.partial(step, has_next=True),
+                                              (s0, m_i, l_i, psum0))
+                        return step(je - 1, carry, has_next=False)
+
+                    return pl.run_scoped(
+                        body, plgpu.ACC((BLOCK_Q, d), jnp.float32),
+                        plgpu.ACC((BLOCK_Q, block_kv), jnp.float32),
+                        plgpu.ACC((BLOCK_Q, 8), jnp.float32) if l_in_pv else None)
+
+                if overlap == "qk":
+                    acc, m_i, l_i = qk_pipelined_segment(m_i, l_i)
+                elif overlap == "pv":
                     p8, m_i, psum = first_block(m_i)
                     carry = lax.fori_loop(
                         jb, je - 1, functools.partial(overlapped_step, has_next=True),
@@ -1007,7 +1098,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int = 2,
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
-                   fast_unmasked: bool = True, overlap: bool = False,
+                   fast_unmasked: bool = True, overlap: str = "",
                    p_in_smem: bool = False, bit_exp2: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
@@ -1031,7 +1122,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: bool = False, p_in_smem: bool = False,
+                     overlap: str = "", p_in_smem: bool = False,
                      bit_exp2: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
