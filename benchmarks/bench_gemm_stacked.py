@@ -27,10 +27,11 @@ nothing is hoisted; each output goes through a barrier too, so it is materialize
                   compares with)
   torch_scaled_mm_1w  the same on one weight L times (it may stay in the 50 MB L2)
 
-Per layer = scan time / L, median over repeats. After all variants, every variant of a
-shape is timed again in interleaved rounds (one call of each per round) and the table
-reports those medians (the first pass's stay in the JSON as ``us_first_pass``); torch is
-timed after, on its own.  Errors: the full [M, N] output of one
+Per layer = scan time / L, median over repeats. After all variants (and torch's first pass),
+every variant of a shape, torch_scaled_mm included, is timed again in interleaved rounds
+(one scan of each JAX variant, then L torch calls between CUDA events, per round) and the
+table reports those medians (the first pass's stay in the JSON as ``us_first_pass``): a
+drift of the GPU's speed during the run then hits kernel and torch alike.  Errors: the full [M, N] output of one
 call at the last layer, and one sampled row per layer from inside the scan (layers 0,
 L/2, L-1), both against an f32 reference (x.f32 @ w[layer].f32.T * scale), relative
 Frobenius norm; memory is filled with NaN first so unwritten elements show.
@@ -228,60 +229,93 @@ def run(args):
                     print(f"{name:5s} {vname:12s} FAILED {res[name][vname]['error'][:300]}")
                     traceback.print_exc(limit=3)
                 save()
-    retime_interleaved(res, compiled, args.repeats, layers)
+    with_torch = args.torch and not args.smoke and torch_cuda()
+    if with_torch:
+        time_torch(res, layers, args.repeats)
+    retime_interleaved(res, compiled, args.repeats, layers, with_torch)
     save()
     return res
 
 
-def retime_interleaved(res, compiled, repeats: int, layers: int):
+def retime_interleaved(res, compiled, repeats: int, layers: int, with_torch: bool = False):
     """Times every measured variant of a shape again, one call each per round, ``repeats``
-    rounds, and reports those medians as 'us' (the first pass's, each variant's repeats
-    back to back, stay as 'us_first_pass'): a drift of the machine's speed then hits all
-    variants of a shape alike."""
+    rounds (with_torch: then ``layers`` torch_scaled_mm calls between CUDA events, in the
+    same round), and reports those medians as 'us' (the first pass's, each variant's
+    repeats back to back, stay as 'us_first_pass'): a drift of the machine's speed then
+    hits all variants of a shape alike."""
     import jax
 
     for name in SHAPES:
         keys = [key for key in compiled if key[0] == name]
         times = {key: [] for key in keys}
+        tmm = torch_scaled_mm(*SHAPES[name], layers) if with_torch else None
+        if tmm is not None:
+            times[(name, "torch_scaled_mm")] = []
         for _ in range(repeats):
             for key in keys:
                 f, operands = compiled[key]
                 t1 = time.perf_counter()
                 jax.block_until_ready(f(*operands))
                 times[key].append((time.perf_counter() - t1) * 1e6 / layers)
-        for key in keys:
-            r = res[name][key[1]]
-            r["us_first_pass"], r["us"] = r["us"], statistics.median(times[key])
-            r["all_us_interleaved"] = times[key]
+            if tmm is not None:
+                times[(name, "torch_scaled_mm")] += cuda_event_times_us(tmm[0], layers, 1, 1)
+        for key, ts in times.items():
+            r = res[name].setdefault(key[1], {})
+            r["us_first_pass"], r["us"] = r.get("us"), statistics.median(ts)
+            r["all_us_interleaved"] = ts
             r["tflops"] = res[name]["flop_per_call"] / r["us"] / 1e6
-        if keys:
+        if times:
             print(f"{name:5s} interleaved: " + ", ".join(
-                f"{key[1]} {res[name][key[1]]['us']:.1f}" for key in keys))
+                f"{key[1]} {res[name][key[1]]['us']:.1f}" for key in times))
+        del tmm
+        if with_torch:
+            import torch
+            torch.cuda.empty_cache()
 
 
-def time_torch(res, layers: int, repeats: int):
-    """res[shape]['torch_scaled_mm'] = {'us': ...}: cuBLASLt FP8 through PyTorch, per call."""
+def torch_cuda() -> bool:
+    """Whether PyTorch with CUDA is importable (prints why not)."""
     try:
         import torch
     except ImportError:
         print("torch not installed: no torch_scaled_mm row")
-        return
+        return False
     if not torch.cuda.is_available():
         print("torch without CUDA: no torch_scaled_mm row")
-        return
+        return False
+    return True
+
+
+def torch_scaled_mm(n: int, k: int, layers: int):
+    """(mm, rel_err): mm(l) = torch._scaled_mm of x [M, K] e4m3 with weight l of ``layers``
+    distinct [N, K] e4m3 weights (transposed view, K-major as cuBLASLt wants), bf16 out;
+    rel_err of the last layer's output against float32."""
+    import torch
+
     dev, fp8 = torch.device("cuda"), torch.float8_e4m3fn
     one = torch.ones((), device=dev)
+    x8 = (torch.randn(M, k, device=dev) * 16).to(fp8)
+    ws = torch.empty((layers, n, k), device=dev, dtype=fp8)
+    for l in range(layers):
+        ws[l] = (torch.randn(n, k, device=dev) * 16).to(fp8)
+    sa, sb = one / 16, one / 32
+
+    def mm(l):
+        return torch._scaled_mm(x8, ws[l].t(), scale_a=sa, scale_b=sb,
+                                out_dtype=torch.bfloat16)
+
+    ref = (x8.float() @ ws[layers - 1].float().t()) * (sa * sb)
+    err = float((mm(layers - 1).float() - ref).norm() / ref.norm())
+    return mm, err
+
+
+def time_torch(res, layers: int, repeats: int):
+    """res[shape]['torch_scaled_mm' / 'torch_scaled_mm_1w'] = {'us': ...}: cuBLASLt FP8
+    through PyTorch, per call, on L distinct weights / on one weight L times."""
+    import torch
+
     for name, (n, k) in SHAPES.items():
-        x8 = (torch.randn(M, k, device=dev) * 16).to(fp8)
-        ws = torch.empty((layers, n, k), device=dev, dtype=fp8)
-        for l in range(layers):
-            ws[l] = (torch.randn(n, k, device=dev) * 16).to(fp8)
-        sa, sb = one / 16, one / 32
-        mm = lambda l: torch._scaled_mm(x8, ws[l].t(), scale_a=sa, scale_b=sb,
-                                        out_dtype=torch.bfloat16)
-        ref = (x8.float() @ ws[layers - 1].float().t()) * (sa * sb)
-        err = float((mm(layers - 1).float() - ref).norm() / ref.norm())
-        del ref
+        mm, err = torch_scaled_mm(n, k, layers)
         flop = 2 * M * n * k
         for vname, layer_of in (("torch_scaled_mm", lambda i: i), ("torch_scaled_mm_1w", lambda i: 0)):
             ts = cuda_event_times_us(lambda i: mm(layer_of(i)), layers, repeats)
@@ -290,7 +324,7 @@ def time_torch(res, layers: int, repeats: int):
                                                "tflops": flop / us / 1e6, "rel_err": err}
             print(f"{name:5s} {vname:18s} {us:9.1f} us/call  {flop / us / 1e6:7.1f} TFLOP/s  "
                   f"err {err:.2e}")
-        del x8, ws
+        del mm
         torch.cuda.empty_cache()
 
 
@@ -332,7 +366,8 @@ def main():
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--only", nargs="*", help="shapes to run (default: all)")
     ap.add_argument("--torch", action="store_true",
-                    help="also time torch._scaled_mm at each shape (after the JAX variants)")
+                    help="also time torch._scaled_mm at each shape (after the JAX variants, "
+                         "then interleaved with them)")
     ap.add_argument("--configs", nargs="*", default=[],
                     help="extra kernel tilings on 760 rows, e.g. m128n64s4 m64n128s4w8")
     ap.add_argument("--smoke", action="store_true",
@@ -353,12 +388,6 @@ def main():
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         res = {"error": repr(e)[:800]}
-    if args.torch and not args.smoke:
-        try:
-            time_torch(res, args.layers, args.repeats)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc(limit=3)
-            res["torch_error"] = repr(e)[:800]
     res["table"] = table(res, args.configs, torch_row=args.torch)
     with open(os.path.join(args.out, "gemm_stacked.json"), "w") as f:
         json.dump(res, f, indent=1)
