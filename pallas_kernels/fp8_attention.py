@@ -425,7 +425,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
       overlap: intra-warpgroup pipelining (FlashAttention-3), "" for none (Q.K^T, softmax
-        and P.V in turn).
+        and P.V in turn, each waited for).
+        "batch": P.V of block j and Q.K^T of block j + 1 are issued back to back, in that
+        order, and waited for together (no wgmma is in flight during the softmax, so
+        ptxas keeps the wgmmas asynchronous; the tensor cores go from one to the other
+        without a round trip through the warpgroup).
         "pv": per KV block a warpgroup issues Q.K^T of the next block, then P.V of this
         one, waits for the former only and runs the next block's softmax while P.V is on
         the tensor cores (a second [64, bkv] f32 accumulator in registers).
@@ -478,8 +482,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
-    if overlap not in ("", "pv", "qk"):
-        raise ValueError(f"overlap must be '', 'pv' or 'qk', got {overlap!r}")
+    if overlap not in ("", "batch", "pv", "qk"):
+        raise ValueError(f"overlap must be '', 'batch', 'pv' or 'qk', got {overlap!r}")
     if overlap and pingpong:
         raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
     if p_in_smem and overlap != "pv":
@@ -875,7 +879,56 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         plgpu.ACC((BLOCK_Q, block_kv), jnp.float32),
                         plgpu.ACC((BLOCK_Q, 8), jnp.float32) if l_in_pv else None)
 
-                if overlap == "qk":
+                def batched_step(j, carry, has_next):
+                    """overlap='batch': the softmax of block j, then one wgmma batch: P.V
+                    of block j (and its row sums) and, with has_next, Q.K^T of block
+                    j + 1. carry: (S_j, acc, m, l) -> (S_{j+1} or None, acc, m, l)."""
+                    s, acc, m_i, l_i = carry
+                    step = t * nb + j - u0
+                    slot = lax.rem(step, stages)
+                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc)
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(v_bars.at[slot])
+
+                    def body(refs):
+                        acc_ref, sums_ref, s_ref = refs
+                        issue_pv(acc_ref, sums_ref, p8, slot)
+                        if has_next:
+                            slot_n = lax.rem(step + 1, stages)
+                            plgpu.barrier_wait(k_bars.at[slot_n])
+                            issue_qk(s_ref, slot_n)
+
+                    with jax.named_scope("pv"):
+                        acc, sums, s_next = pl.run_state(body)(
+                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None,
+                             fresh_acc(block_kv) if has_next else None))
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    if l_in_pv:
+                        l_i = l_i + row_sums(sums, None)
+                    return s_next, acc, m_new, l_i
+
+                def first_s():
+                    """Q.K^T of the segment's first block (its K waited for here)."""
+                    step = t * nb + jb - u0
+                    slot = lax.rem(step, stages)
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(k_bars.at[slot])
+
+                    def qk(s_ref):
+                        issue_qk(s_ref, slot)
+                        return s_ref[...]
+
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    maybe_signal(step)
+                    return s
+
+                if overlap == "batch":
+                    carry = lax.fori_loop(jb, je - 1,
+                                          functools.partial(batched_step, has_next=True),
+                                          (first_s(), acc, m_i, l_i))
+                    _, acc, m_i, l_i = batched_step(je - 1, carry, has_next=False)
+                elif overlap == "qk":
                     acc, m_i, l_i = qk_pipelined_segment(m_i, l_i)
                 elif overlap == "pv":
                     p8, m_i, psum = first_block(m_i)
