@@ -262,9 +262,8 @@ def main():
 class _Variants(dict):
     """Kernel variant names: '{kv|wt}_{split|single}_s{stages}' then any of the flags
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
-    the tensor core), '_fast' (no bias on unmasked blocks), '_ob' / '_ov' / '_oq' (overlap
-    'batch' / 'pv' / 'qk', see _fp8_attention_call; imply '_np'), '_ps' (with '_ov': P through shared
-    memory), '_bx' (exponentials from float bits); e.g. 'kv_split_s2_lpv_fast_np' (the
+    the tensor core), '_fast' (no bias on unmasked blocks), '_oq' (overlap='qk', see
+    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits); e.g. 'kv_split_s2_lpv_fast_np' (the
     default since GPU run 6); 'default': attention_pallas's own defaults."""
 
     def __missing__(self, name):
@@ -272,21 +271,18 @@ class _Variants(dict):
             sig = inspect.signature(fa.attention_pallas).parameters
             return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
-                                                "fast_unmasked", "overlap", "p_in_smem",
-                                                "bit_exp2")}
+                                                "fast_unmasked", "overlap", "bit_exp2")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
-        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ob", "ov", "oq", "ps", "bx"}
+        unknown = set(flags) - {"grid", "np", "lpv", "fast", "oq", "bx"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
         return dict(stages=int(st[1:]), q_split=qs == "split", v_in_kernel=vk == "kv",
                     persistent="grid" not in flags,
-                    pingpong=not {"np", "ob", "ov", "oq"} & set(flags), l_in_pv="lpv" in flags,
-                    fast_unmasked="fast" in flags,
-                    overlap=next((o for f, o in (("ob", "batch"), ("ov", "pv"), ("oq", "qk"))
-                                  if f in flags), ""),
-                    p_in_smem="ps" in flags, bit_exp2="bx" in flags)
+                    pingpong=not {"np", "oq"} & set(flags), l_in_pv="lpv" in flags,
+                    fast_unmasked="fast" in flags, overlap="qk" if "oq" in flags else "",
+                    bit_exp2="bx" in flags)
 
 
 def attn_kernel_us(breakdown):

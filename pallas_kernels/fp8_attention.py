@@ -379,7 +379,7 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None, overlap="", p_in_smem=False, bit_exp2=False):
+                        block_masked=None, overlap="", bit_exp2=False):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -424,27 +424,20 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
       fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
-      overlap: intra-warpgroup pipelining (FlashAttention-3), "" for none (Q.K^T, softmax
-        and P.V in turn, each waited for).
-        "batch": P.V of block j and Q.K^T of block j + 1 are issued back to back, in that
-        order, and waited for together (no wgmma is in flight during the softmax, so
-        ptxas keeps the wgmmas asynchronous; the tensor cores go from one to the other
-        without a round trip through the warpgroup).
-        "pv": per KV block a warpgroup issues Q.K^T of the next block, then P.V of this
-        one, waits for the former only and runs the next block's softmax while P.V is on
-        the tensor cores (a second [64, bkv] f32 accumulator in registers).
-        "qk": the softmax of block j runs while Q.K^T of block j + 1 and P.V of block
-        j - 1 are on the tensor cores: S_j in registers, S_{j+1} in flight in the second
-        accumulator, P through shared memory (as p_in_smem), and the output accumulator
-        and row sums stay in flight across blocks (one run_scoped over the segment with
-        explicit wgmma waits).
+      overlap: "" (Q.K^T, softmax and P.V in turn, each waited for) or "qk":
+        FlashAttention-3's intra-warpgroup pipelining. The softmax of block j runs while
+        Q.K^T of block j + 1 and P.V of block j - 1 are on the tensor cores: S_j in
+        registers, S_{j+1} in flight in a second accumulator, P through two shared-memory
+        buffers per warpgroup (aliasing the output staging buffer), the output accumulator
+        and row sums in flight across blocks (one run_scoped over the segment, explicit
+        wgmma waits). Correct, but 1.5x slower on the H200: ptxas serializes its wgmmas
+        (C7514, accumulator registers read while others are in flight) and spills; what
+        it lacks is a per-register accumulator fence (BUILD_NOTES, GPU run 12).
       bit_exp2: P's exponentials from float bits (:func:`exp2_from_bits`: a clamp and
-        an integer multiply-add per element) instead of the MUFU ex2, whose throughput (16
-        per SM and cycle) bounds the two warpgroups' softmaxes when they overlap.
-      p_in_smem: with overlap, P reaches its wgmma through shared memory (two buffers per
-        warpgroup, aliasing the output staging buffer) instead of registers: ptxas
-        serializes wgmmas whose register operands are computed while others are in
-        flight (its C7513 "Potential Performance Loss").
+        an integer multiply-add per element) instead of the MUFU ex2 (16 per SM and
+        cycle). On the H200 the softmax shortens by ~25% but the kernel does not (its two
+        warpgroups then wait longer on the tensor cores; BUILD_NOTES, GPU run 10);
+        rel. err 0.008 instead of 0.007.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -482,15 +475,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
-    if overlap not in ("", "batch", "pv", "qk"):
-        raise ValueError(f"overlap must be '', 'batch', 'pv' or 'qk', got {overlap!r}")
+    if overlap not in ("", "qk"):
+        raise ValueError(f"overlap must be '' or 'qk', got {overlap!r}")
     if overlap and pingpong:
         raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
-    if p_in_smem and overlap != "pv":
-        raise ValueError("p_in_smem is an option of overlap='pv' ('qk' always uses it)")
-    p_in_smem = p_in_smem or overlap == "qk"
+    p_in_smem = overlap == "qk"  # P's buffers alias the output staging buffer
     if p_in_smem and not (jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
-        raise ValueError("P in shared memory needs a 16-bit output and block_kv == 128")
+        raise ValueError("overlap='qk' needs a 16-bit output and block_kv == 128")
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
@@ -726,80 +717,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         l_i = l_i + row_sums(sums, None)
                     return acc, m_new, l_i
 
-                def keep_p(p8, step):
-                    """overlap: where the P of pipeline step ``step`` waits for its P.V:
-                    in registers (returns p8), or with p_in_smem in SMEM buffer step % 2
-                    (returns None)."""
-                    if not p_in_smem:
-                        return p8
+                def store_p(p8, step):
+                    """overlap='qk': P of pipeline step ``step`` into SMEM buffer step % 2
+                    (the other one holds the P that the P.V in flight reads)."""
                     p_smem.at[lax.rem(step, 2)][...] = p8
                     plgpu.commit_smem()  # visible to the wgmma (async proxy), all threads
-                    return None
-
-                def p_of(p8, step):
-                    return p_smem.at[lax.rem(step, 2)] if p_in_smem else p8
-
-                def first_block(m_i):
-                    """overlap: Q.K^T and the softmax of the segment's first block:
-                    (p8, m, row sums)."""
-                    step = t * nb + jb - u0
-                    slot = lax.rem(step, stages)
-                    with jax.named_scope("sync"):
-                        plgpu.barrier_wait(k_bars.at[slot])
-
-                    def qk(s_ref):
-                        issue_qk(s_ref, slot)
-                        return s_ref[...]
-
-                    with jax.named_scope("qk"):
-                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                    maybe_signal(step)
-                    p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb)
-                    return keep_p(p8, step), m_new, psum
-
-                def overlapped_step(j, carry, has_next):
-                    """overlap: the P.V (and row-sum) wgmmas of block j run while the
-                    softmax of block j + 1 does: Q.K^T of block j + 1 is issued first,
-                    then P.V of block j; the wait for the former leaves the latter in
-                    flight. carry: (acc, m, l) over the blocks before j, with block j's
-                    (p8, row sums)."""
-                    acc, m_i, l_i, p8, psum = carry
-                    step = t * nb + j - u0
-                    slot = lax.rem(step, stages)
-                    slot_n = lax.rem(step + 1, stages)
-                    with jax.named_scope("sync"):
-                        if has_next:
-                            plgpu.barrier_wait(k_bars.at[slot_n])
-                        plgpu.barrier_wait(v_bars.at[slot])
-
-                    def body(refs):
-                        acc_ref, sums_ref, s_ref, next_refs = refs
-                        if has_next:
-                            issue_qk(s_ref, slot_n)
-                        issue_pv(acc_ref, sums_ref, p_of(p8, step), slot)
-                        if not has_next:
-                            return
-                        with jax.named_scope("qk"):
-                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1 + int(l_in_pv))
-                        p8_n, *rest = softmax_block(s, m_i, slot_n, j + 1)[:4]
-                        for ref, value in zip(next_refs, (keep_p(p8_n, step + 1), *rest)):
-                            if ref is not None:
-                                ref[...] = value
-
-                    # The softmax's results leave run_state through refs initialized with
-                    # values of the same types and layouts (block j's).
-                    inits = (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None,
-                             fresh_acc(block_kv) if has_next else None,
-                             (p8, m_i, m_i, psum) if has_next else None)
-                    with jax.named_scope("pv"):
-                        acc, sums, _, nxt = pl.run_state(body)(inits)
-                    plgpu.barrier_arrive(v_done.at[slot])
-                    l_i = l_i + row_sums(sums, psum)
-                    if not has_next:
-                        return acc, m_i, l_i
-                    p8_n, m_n, alpha, psum_n = nxt
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    return acc, m_n, l_i * alpha, p8_n, psum_n
 
                 def qk_pipelined_segment(m_i, l_i):
                     """overlap='qk': the segment's KV blocks jb..je-1 with the softmax of
@@ -833,7 +755,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                                     plgpu.Layout.WGMMA)
                                 issue_qk(s_ref, slot_n)
                             p8, m_new, alpha, psum, _, _ = softmax_block(s_cur, m_i, slot, j)
-                            keep_p(p8, step)
+                            store_p(p8, step)
                             with jax.named_scope("pv"):
                                 # P.V_{j-1} and its row sums done; Q.K^T_{j+1} may run on
                                 plgpu.wgmma_wait(n_parts if has_next else 0)
@@ -855,7 +777,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                                 acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                                 with jax.named_scope("sync"):
                                     plgpu.barrier_wait(v_bars.at[slot])
-                                issue_pv(acc_ref, sums_ref, p_of(None, step), slot)
+                                issue_pv(acc_ref, sums_ref, p_smem.at[lax.rem(step, 2)], slot)
                             if has_next:
                                 with jax.named_scope("qk"):
                                     s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=n_pv)
@@ -879,63 +801,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         plgpu.ACC((BLOCK_Q, block_kv), jnp.float32),
                         plgpu.ACC((BLOCK_Q, 8), jnp.float32) if l_in_pv else None)
 
-                def batched_step(j, carry, has_next):
-                    """overlap='batch': the softmax of block j, then one wgmma batch: P.V
-                    of block j (and its row sums) and, with has_next, Q.K^T of block
-                    j + 1. carry: (S_j, acc, m, l) -> (S_{j+1} or None, acc, m, l)."""
-                    s, acc, m_i, l_i = carry
-                    step = t * nb + j - u0
-                    slot = lax.rem(step, stages)
-                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc)
-                    with jax.named_scope("sync"):
-                        plgpu.barrier_wait(v_bars.at[slot])
-
-                    def body(refs):
-                        acc_ref, sums_ref, s_ref = refs
-                        issue_pv(acc_ref, sums_ref, p8, slot)
-                        if has_next:
-                            slot_n = lax.rem(step + 1, stages)
-                            plgpu.barrier_wait(k_bars.at[slot_n])
-                            issue_qk(s_ref, slot_n)
-
-                    with jax.named_scope("pv"):
-                        acc, sums, s_next = pl.run_state(body)(
-                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None,
-                             fresh_acc(block_kv) if has_next else None))
-                    plgpu.barrier_arrive(v_done.at[slot])
-                    if l_in_pv:
-                        l_i = l_i + row_sums(sums, None)
-                    return s_next, acc, m_new, l_i
-
-                def first_s():
-                    """Q.K^T of the segment's first block (its K waited for here)."""
-                    step = t * nb + jb - u0
-                    slot = lax.rem(step, stages)
-                    with jax.named_scope("sync"):
-                        plgpu.barrier_wait(k_bars.at[slot])
-
-                    def qk(s_ref):
-                        issue_qk(s_ref, slot)
-                        return s_ref[...]
-
-                    with jax.named_scope("qk"):
-                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                    maybe_signal(step)
-                    return s
-
-                if overlap == "batch":
-                    carry = lax.fori_loop(jb, je - 1,
-                                          functools.partial(batched_step, has_next=True),
-                                          (first_s(), acc, m_i, l_i))
-                    _, acc, m_i, l_i = batched_step(je - 1, carry, has_next=False)
-                elif overlap == "qk":
+                if overlap == "qk":
                     acc, m_i, l_i = qk_pipelined_segment(m_i, l_i)
-                elif overlap == "pv":
-                    p8, m_i, psum = first_block(m_i)
-                    carry = lax.fori_loop(
-                        jb, je - 1, functools.partial(overlapped_step, has_next=True),
-                        (acc, m_i, l_i, p8, psum))
-                    acc, m_i, l_i = overlapped_step(je - 1, carry, has_next=False)
                 else:
                     acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
 
@@ -1152,7 +1019,7 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
                    fast_unmasked: bool = True, overlap: str = "",
-                   p_in_smem: bool = False, bit_exp2: bool = False) -> dict:
+                   bit_exp2: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need."""
@@ -1163,20 +1030,19 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
-        overlap=overlap, p_in_smem=p_in_smem, bit_exp2=bit_exp2)
+        overlap=overlap, bit_exp2=bit_exp2)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
-                                             "overlap", "p_in_smem", "bit_exp2"))
+                                             "overlap", "bit_exp2"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: str = "", p_in_smem: bool = False,
-                     bit_exp2: bool = False):
+                     overlap: str = "", bit_exp2: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1200,8 +1066,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               persistent=persistent, num_sms=num_sms,
                                               pingpong=pingpong, l_in_pv=l_in_pv,
                                               fast_unmasked=fast_unmasked,
-                                              overlap=overlap, p_in_smem=p_in_smem,
-                                              bit_exp2=bit_exp2))
+                                              overlap=overlap, bit_exp2=bit_exp2))
     if v_in_kernel:
         q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
                                                        q_split)
