@@ -23,7 +23,10 @@ Three implementations sit side by side:
   and 128-key step against ~830 of tensor work), so by default the two warpgroups run
   freely (no ping-pong schedule barrier: their softmaxes overlap), the row sums of P come
   from a small wgmma against a block of ones, and blocks without a masked slot skip the
-  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``).
+  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``). Two more options, correct but
+  measured slower there, stay for comparison: ``overlap='qk'`` (FlashAttention-3's
+  intra-warpgroup pipelining, which ptxas serializes) and ``bit_exp2`` (exponentials from
+  float bits instead of the MUFU).
 
   - Q is quantized to e4m3 outside the kernel with one scale per (row, head); the row
     scale, the head's K scale, 1/sqrt(D) and log2(e) fold into one per-row factor that
@@ -666,14 +669,6 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                                             s, m_i, l_i, acc, slot)
                         return softmax(s, m_i, l_i, acc, slot, masked=True)
 
-                def row_sums(sums, psum):
-                    # l_in_pv: all 8 columns of the row-sum accumulator hold the sums
-                    return sums.max(axis=1) if l_in_pv else psum
-
-                def fresh_acc(cols):
-                    return plgpu.ACC.init(plgpu.layout_cast(
-                        jnp.full((BLOCK_Q, cols), 0.0, jnp.float32), plgpu.Layout.WGMMA))
-
                 def maybe_signal(step):
                     if has_partials:
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
@@ -710,11 +705,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
                     with jax.named_scope("pv"):
-                        acc, sums = pl.run_state(pv)(
-                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None))
+                        sums0 = (plgpu.ACC.init(plgpu.layout_cast(
+                            jnp.full((BLOCK_Q, 8), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+                            if l_in_pv else None)
+                        acc, sums = pl.run_state(pv)((plgpu.ACC.init(acc), sums0))
                     plgpu.barrier_arrive(v_done.at[slot])
-                    if l_in_pv:
-                        l_i = l_i + row_sums(sums, None)
+                    if l_in_pv:  # all 8 columns hold the row sums
+                        l_i = l_i + sums.max(axis=1)
                     return acc, m_new, l_i
 
                 def store_p(p8, step):
