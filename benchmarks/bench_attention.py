@@ -263,8 +263,9 @@ class _Variants(dict):
     """Kernel variant names: '{kv|wt}_{split|single}_s{stages}' then any of the flags
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
     the tensor core), '_fast' (no bias on unmasked blocks), '_oq' (overlap='qk', see
-    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits); e.g. 'kv_split_s2_lpv_fast_np' (the
-    default since GPU run 6); 'default': attention_pallas's own defaults."""
+    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits); e.g.
+    'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
+    own defaults."""
 
     def __missing__(self, name):
         if name == "default":  # what attention_pallas runs when given no options

@@ -34,10 +34,12 @@ variant, then L torch calls between CUDA events, per round), reported as
 ``us_interleaved``. On the H200 the JAX scans (timed on the host clock) came out 9-23%
 slower interleaved with torch than back to back while torch did not move the same way
 (BUILD_NOTES, 2026-11-30): the two timers do not see such rounds alike, so the table keeps
-the back-to-back figures and the interleaved ones are a check for drift.  Errors: the full [M, N] output of one
-call at the last layer, and one sampled row per layer from inside the scan (layers 0,
-L/2, L-1), both against an f32 reference (x.f32 @ w[layer].f32.T * scale), relative
-Frobenius norm; memory is filled with NaN first so unwritten elements show.
+the back-to-back figures and the interleaved ones are a check for drift.
+
+Errors: the full [M, N] output of one call at the last layer, and one sampled row per
+layer from inside the scan (layers 0, L/2, L-1), both against an f32 reference
+(x.f32 @ w[layer].f32.T * scale), relative Frobenius norm; memory is filled with NaN first
+so unwritten elements show.
 
 Run (one H200):  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_gemm_stacked.py --out $OUT
 CPU smoke run (tiny shapes, the kernel under the Mosaic GPU interpreter):  --smoke
