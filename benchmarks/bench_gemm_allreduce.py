@@ -22,6 +22,11 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
     fused_pallas_run1sync      the same kernel with run 1's synchronization (no entry
                                handshake): the handshake's cost is the difference
     torch_mm+allreduce         ``_scaled_mm`` then a NCCL all-reduce (torch.distributed)
+    gemm+psum+residual         gemm+psum, then the block's consumer as the model has it:
+                               x + gate * y (bf16 residual, f32 [N] gate; ``dit.Block``)
+    fused_pallas+residual      the fused call, then the same consumer: the kernel's own +
+                               received partials sum inside the consumer's pass, as in the
+                               model's step
   Block (attention-out + MLP-down, one reduction, the model's API, quantization inside):
     block/psum, block/pallas                   per-layer [N, K] weights
     block/psum_stacked                         stacked [L, N, K] weights read in place, the
@@ -37,6 +42,9 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
 hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce, with t_gemm the XLA FP8 GEMM
 (``_hidden``) and, like for like, the Pallas GEMM that the fused kernel runs, on the same
 757 rows with its pad and slice (``_hidden_vs_pallas``; the table's "hidden" columns).
+With the consumer: hidden_in_block = (t[gemm+psum+residual] - t[fused_pallas+residual]) /
+t_allreduce, the all-reduce time the block saves (its XLA GEMM replaced by the Pallas one
+inside the fused kernel, so read it next to the GEMMs' ratio).
 
 Run (2 GPUs; `--tp 3` / `--tp 4` on a 4-GPU machine, the shapes per GPU follow):
   PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_gemm_allreduce.py --out $OUT
@@ -290,6 +298,24 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
                 lambda a, b, cfg=cfg: fused.gemm_allreduce(a, b, sw, x_scale=sx, config=cfg,
                                                            use_kernel=on_gpu)),
                 (xs, ws), ref)
+        # The block's consumer, x + gate * y, after each reduction (module docstring).
+        key, kr, kg = jax.random.split(key, 3)
+        resid = jax.device_put(jax.random.normal(kr, (M, n), jnp.bfloat16),
+                               NamedSharding(mesh, P()))
+        gate = jax.device_put(1.0 + 0.1 * jax.random.normal(kg, (n,), jnp.float32),
+                              NamedSharding(mesh, P()))
+        ref_res = resid.astype(jnp.float32) + gate * ref
+        smap_res = lambda f: jax.shard_map(  # noqa: E731
+            lambda a, b, r, g: (r.astype(jnp.float32) + g * f(a, b).astype(jnp.float32)
+                                ).astype(jnp.bfloat16),
+            mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P(), P()), out_specs=P(),
+            check_vma=False)
+        record(f"{name}/gemm+psum+residual", smap_res(
+            lambda a, b: lax.psum(gemm(a, b, jnp.float32), "tp")), (xs, ws, resid, gate),
+            ref_res)
+        record(f"{name}/fused_pallas+residual", smap_res(
+            lambda a, b: fused.gemm_allreduce(a, b, sw, x_scale=sx, use_kernel=on_gpu)),
+            (xs, ws, resid, gate), ref_res)
         if full:
             def ring(a, b):
                 mc = -(-M // tp)
@@ -385,6 +411,10 @@ def summarize(res):
                     line[f"{v}_hidden_vs_pallas"] = hidden(gp, ar, tv)
             line["allreduce_us"] = ar
             line["torch_mm+ar_us"] = us(f"{name}/torch_mm+allreduce")
+            tu, tf = us(f"{name}/gemm+psum+residual"), us(f"{name}/fused_pallas+residual")
+            line["gemm+psum+residual_us"], line["fused_pallas+residual_us"] = tu, tf
+            if tu and tf and ar:
+                line["hidden_in_block"] = (tu - tf) / ar
         rows.append(line)
     rows.append({"shape": "block o+down (API, quantize inside)",
                  **{f"{m}_us": us(f"block/{m}")
@@ -419,6 +449,13 @@ def table(res):
             "allreduce_psum", "gemm+psum", "fused_pallas", "fused_pallas_run1sync",
             "torch_mm+allreduce")) + f" | {pc(gp, ar, us(f'{s}/fused_pallas'))} | "
             f"{pc(gp, ar, us(f'{s}/fused_pallas_run1sync'))}")
+    out.append("with the consumer x + gate * y (us) | GEMM+psum+residual | fused+residual | "
+               "hidden in the block")
+    for s in [s for s, (_, _, row) in SHAPES.items() if row]:
+        tu, tf, ar = (us(f"{s}/gemm+psum+residual"), us(f"{s}/fused_pallas+residual"),
+                      us(f"{s}/allreduce_psum"))
+        out.append(f"{s} | {f(tu)} | {f(tf)} | "
+                   + ("-" if None in (tu, tf, ar) else f"{(tu - tf) / ar:.0%}"))
     out.append("block o+down (us) | psum | pallas | psum stacked (addend chain) | "
                "psum stacked (f32 sum, before) | pallas stacked")
     out.append("block | " + " | ".join(f(us(f"block/{v}")) for v in (
