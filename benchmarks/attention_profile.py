@@ -92,12 +92,13 @@ def main() -> int:
         k8, ks = fa.quantize_kv(jax.random.normal(kk, (S, h, D), jnp.float32))
         v8, vs = fa.quantize_kv(jax.random.normal(kv, (S, h, D), jnp.float32))
         valid = jnp.ones((S,), bool).at[1046:1246].set(False)
-        q8, sc, bias = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV,
-                                                      kw["q_split"])
+        q8, sc, bias = (fa._prepare_inputs_q_in_kernel(q, ks, vs, valid, BLOCK_KV)
+                        if kw["q_in_kernel"] else
+                        fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV,
+                                                       kw["q_split"]))
         for sched in args.schedules.split(","):
             opts = fa.kernel_options(h, valid, tq=TQ, **{
-                **{k_: v_ for k_, v_ in kw.items() if k_ != "q_split"},
-                "persistent": sched == "stream_k", "v_in_kernel": True})
+                **kw, "persistent": sched == "stream_k", "v_in_kernel": True})
             pdir = os.path.abspath(f"{args.out}/h{h}_{sched}")
             os.makedirs(pdir, exist_ok=True)
             f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, opts=opts: fa._fp8_attention_call(

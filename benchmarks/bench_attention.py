@@ -153,7 +153,11 @@ def main():
                 out = poisoned_call(lambda: f(q, k8, v8, ks, vs, valid), TQ * h * D * 2)
                 comp = time.time() - t0
                 # also the raw (padded) kernel output: every row must be finite
-                if kw["v_in_kernel"]:
+                if kw.get("q_in_kernel"):
+                    q8, sc, bias = jax.jit(fa._prepare_inputs_q_in_kernel,
+                                           static_argnums=(4,))(q, ks, vs, valid, 128)
+                    vt = v8
+                elif kw["v_in_kernel"]:
                     q8, sc, bias = jax.jit(fa._prepare_inputs_v_in_kernel,
                                            static_argnums=(4, 5))(
                         q, ks, vs, valid, 128, kw["q_split"])
@@ -161,8 +165,7 @@ def main():
                 else:
                     q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
                         q, v8, ks, vs, valid, 128, kw["q_split"])
-                opts = fa.kernel_options(h, valid, tq=TQ, **{
-                    k_: v_ for k_, v_ in kw.items() if k_ != "q_split"})
+                opts = fa.kernel_options(h, valid, tq=TQ, **kw)
                 ctas = opts["num_ctas"]
                 raw_fn = jax.jit(lambda a, b, c, d_, e: fa._fp8_attention_call(
                     a, b, c, d_, e, out_dtype=jnp.bfloat16, clip_out=False, **opts))
@@ -263,7 +266,8 @@ class _Variants(dict):
     """Kernel variant names: '{kv|wt}_{split|single}_s{stages}' then any of the flags
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
     the tensor core), '_fast' (no bias on unmasked blocks), '_oq' (overlap='qk', see
-    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits); e.g.
+    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits), '_qik' (the
+    kernel quantizes Q itself); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -272,10 +276,11 @@ class _Variants(dict):
             sig = inspect.signature(fa.attention_pallas).parameters
             return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
-                                                "fast_unmasked", "overlap", "bit_exp2")}
+                                                "fast_unmasked", "overlap", "bit_exp2",
+                                                "q_in_kernel")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
-        unknown = set(flags) - {"grid", "np", "lpv", "fast", "oq", "bx"}
+        unknown = set(flags) - {"grid", "np", "lpv", "fast", "oq", "bx", "qik"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -283,7 +288,7 @@ class _Variants(dict):
                     persistent="grid" not in flags,
                     pingpong=not {"np", "oq"} & set(flags), l_in_pv="lpv" in flags,
                     fast_unmasked="fast" in flags, overlap="qk" if "oq" in flags else "",
-                    bit_exp2="bx" in flags)
+                    bit_exp2="bx" in flags, q_in_kernel="qik" in flags)
 
 
 def attn_kernel_us(breakdown):

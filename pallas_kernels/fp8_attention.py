@@ -298,9 +298,7 @@ def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q)
     The parts are separate kernel operands, not one stacked array: a stack costs XLA a
     concatenate pass over both parts per call (9 us at 18 heads, 17 us at 36 in GPU run 2)."""
     tq, h, d = q.shape
-    s_len = valid.shape[0]
     tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
-    s_pad = -(-s_len // block_kv) * block_kv
     qf = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(qf), axis=-1)  # [Tq, H]
     q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
@@ -312,12 +310,36 @@ def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q)
     q8 = (q_hi, (qs - hi_f32).astype(F8)) if q_split else (q_hi,)
     if pad_q:
         q8 = tuple(jnp.pad(p, ((0, tq_pad - tq), (0, 0), (0, 0))) for p in q8)
-    logit = q_rs * (k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)))[None, :]
-    any_valid = jnp.any(valid).astype(jnp.float32)
-    out_sc = jnp.broadcast_to((v_scale.astype(jnp.float32) * any_valid)[None, :], (tq, h))
+    head_sc = _head_scales(k_scale, v_scale, valid, d)  # [H, 2]
+    logit = q_rs * head_sc[None, :, 0]
+    out_sc = jnp.broadcast_to(head_sc[None, :, 1], (tq, h))
     scales = jnp.pad(jnp.stack([logit.T, out_sc.T], axis=1), ((0, 0), (0, 0), (0, tq_pad - tq)))
-    bias = jnp.where(jnp.pad(valid, (0, s_pad - s_len)), 0.0, _MASK_BIAS).astype(jnp.float32)
-    return q8, scales, bias
+    return q8, scales, _slot_bias(valid, block_kv)
+
+
+def _head_scales(k_scale, v_scale, valid, d):
+    """[H, 2] f32: the logit factor of a head without Q's row scale (K scale x log2(e) /
+    sqrt(D)) and its output factor (V scale, 0 when no slot is valid)."""
+    any_valid = jnp.any(valid).astype(jnp.float32)
+    return jnp.stack([k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)),
+                      v_scale.astype(jnp.float32) * any_valid], axis=1)
+
+
+def _slot_bias(valid, block_kv):
+    """[S'] f32, S' = S rounded up to block_kv: 0 for a valid slot, _MASK_BIAS otherwise."""
+    s_pad = -(-valid.shape[0] // block_kv) * block_kv
+    return jnp.where(jnp.pad(valid, (0, s_pad - valid.shape[0])), 0.0,
+                     _MASK_BIAS).astype(jnp.float32)
+
+
+def _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid, block_kv):
+    """Wrapper-side work when the kernel quantizes Q itself: (Q,) with Q bf16 [Tq', H, D]
+    (Tq' = Tq rounded up to 128, zero rows: the bf16 TMA tiles need whole 8-row groups),
+    the per-head scales [H, 2] (:func:`_head_scales`) and the slot bias [S']."""
+    tq, _, d = q.shape
+    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    qb = jnp.pad(q.astype(jnp.bfloat16), ((0, tq_pad - tq), (0, 0), (0, 0)))
+    return (qb,), _head_scales(k_scale, v_scale, valid, d), _slot_bias(valid, block_kv)
 
 
 def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
@@ -382,7 +404,7 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None, overlap="", bit_exp2=False):
+                        block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -436,6 +458,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         wgmma waits). Correct, but 1.5x slower on the H200: ptxas serializes its wgmmas
         (C7514, accumulator registers read while others are in flight) and spills; what
         it lacks is a per-register accumulator fence (BUILD_NOTES, GPU run 12).
+      q_in_kernel: 0, or the number of e4m3 parts (1 or 2, as q_split) into which the
+        kernel quantizes Q itself: q8 is then (Q,) with Q [Tq', H, D] bf16 (Tq' a multiple
+        of 128), and scales is [H, 2] f32 per head (logit factor without the row scale,
+        output factor). Each warpgroup TMA-loads its bf16 tile into a staging buffer
+        (the next tile's while the current one runs), takes the row amax and writes the
+        e4m3 parts to shared memory at the tile's start; the wrapper's quantization
+        passes over Q (XLA, ~11 us of the 84 us call at 18 heads) go.
       bit_exp2: P's exponentials from float bits (:func:`exp2_from_bits`: a clamp and
         an integer multiply-add per element) instead of the MUFU ex2 (16 per SM and
         cycle). On the H200 the softmax shortens by ~25% but the kernel does not (its two
@@ -448,7 +477,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     import jax.experimental.mosaic.gpu as mgpu
 
     q8 = tuple(q8)
-    n_parts = len(q8)
+    n_q_ops = len(q8)
+    n_parts = q_in_kernel or n_q_ops  # e4m3 parts of Q in shared memory
     tq_in, h, d = q8[0].shape
     stacked = layer is not None
     if stacked and not v_in_kernel:
@@ -485,13 +515,19 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     p_in_smem = overlap == "qk"  # P's buffers alias the output staging buffer
     if p_in_smem and not (jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
         raise ValueError("overlap='qk' needs a 16-bit output and block_kv == 128")
+    if q_in_kernel and not (q_in_kernel in (1, 2) and n_q_ops == 1 and v_in_kernel
+                            and q8[0].dtype == jnp.bfloat16
+                            and tq_in % (COMPUTE_WGS * BLOCK_Q) == 0
+                            and scales.shape == (h, 2)):
+        raise ValueError("q_in_kernel (1 or 2 parts) takes one bf16 Q [Tq', H, D] with Tq' "
+                         "a multiple of 128, scales [H, 2] and v_in_kernel=True")
     n_part_slots = num_ctas if has_partials else 1
     # Q of a CTA's next tile is prefetched into a second buffer while the current one
     # runs, where a CTA has several tiles and the shared memory allows it.
     kb = 1024
     smem_one_q = (COMPUTE_WGS * n_parts * BLOCK_Q * d + COMPUTE_WGS * BLOCK_Q * d * 2
                   + (3 if v_in_kernel else 2) * stages * block_kv * d + 8 * kb)
-    n_qbuf = 2 if (num_ctas != n_tiles and
+    n_qbuf = 2 if (num_ctas != n_tiles and not q_in_kernel and
                    smem_one_q + COMPUTE_WGS * n_parts * BLOCK_Q * d <= 224 * kb) else 1
 
     def to_8bit_a(p8):
@@ -531,7 +567,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         n_steps = u1 - u0
         wg = lax.axis_index("wg")
         (q_smem2, o_smem2, sc_smem2, (k_smem, k_smem_tma), v_smem, b_smem,
-         lse_smem2, (ones_smem, ones_plain)), bars = scoped
+         lse_smem2, (ones_smem, ones_plain), *q_stage2), bars = scoped
         if p_in_smem:  # P's two buffers per warpgroup alias the output staging buffer
             o_smem2, p_smem2 = o_smem2
         (k_bars, v_bars, q_bars), (k_done, v_done), sched = bars[:3]
@@ -571,9 +607,14 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 return head, ((t - head * n_qtiles) * COMPUTE_WGS + wg) * BLOCK_Q
 
             def issue_q(t, buf):
-                """Q (all parts) and the row scales of tile t into buffer ``buf``."""
+                """Q (all parts) and the row scales of tile t into buffer ``buf``; with
+                q_in_kernel the bf16 tile into the staging buffer."""
                 head, q0 = tile_rows(t)
                 bar = q_bars.at[buf * COMPUTE_WGS + wg]
+                if q_in_kernel:
+                    plgpu.copy_gmem_to_smem(q_refs[0].at[pl.ds(q0, BLOCK_Q), head],
+                                            q_stage2[0].at[wg], bar)
+                    return
                 for part in range(n_parts):
                     # v_in_kernel: rows past Tq are zero-filled by TMA (no padded copy of Q)
                     plgpu.copy_gmem_to_smem(q_refs[part].at[pl.ds(q0, BLOCK_Q), head],
@@ -587,7 +628,23 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1,
                                        memory_scope="gpu")
 
-            if n_qbuf == 2:
+            def quantize_q(t, head):
+                """q_in_kernel: the staged bf16 tile -> e4m3 parts in q_smem (hi, and
+                lo = e4m3(q/s - hi)), s = row amax / 448; then the staging buffer takes
+                the next tile. Returns the row factor of the logits, s * head factor."""
+                x = plgpu.load(q_stage2[0].at[wg], layout=plgpu.Layout.WGMMA
+                               ).astype(jnp.float32)
+                q_rs = jnp.maximum(jnp.max(jnp.abs(x), axis=1), 1e-30) / F8_MAX
+                qs = x * lax.broadcast_in_dim(1.0 / q_rs, x.shape, [0])
+                hi = qs.astype(F8)
+                q_smem2.at[0, wg, 0][...] = hi
+                if n_parts == 2:
+                    q_smem2.at[0, wg, 1][...] = (qs - hi.astype(jnp.float32)).astype(F8)
+                plgpu.commit_smem()  # all threads' stores, visible to the wgmma
+                pl.when(t < t_last)(lambda: issue_q(t + 1, 0))  # staging read: refill
+                return q_rs * sc_ref[head, 0]
+
+            if n_qbuf == 2 or q_in_kernel:
                 issue_q(t_first, 0)
             if not overlap:  # (with overlap, each segment waits for its first K)
                 plgpu.barrier_wait(k_bars.at[0])
@@ -599,7 +656,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 jb = jnp.maximum(u0 - t * nb, 0)
                 je = jnp.minimum(u1 - t * nb, nb)
                 buf = lax.rem(t - t_first, n_qbuf)
-                if n_qbuf == 1:
+                if n_qbuf == 1 and not q_in_kernel:
                     issue_q(t, 0)
                 with jax.named_scope("q_wait"):
                     plgpu.barrier_wait(q_bars.at[buf * COMPUTE_WGS + wg])
@@ -607,7 +664,12 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     # buffer 1 - buf was the previous tile's: its wgmmas have completed
                     pl.when(t < t_last)(lambda: issue_q(t + 1, 1 - buf))
                 q_smem, sc_smem = q_smem2.at[buf, wg], sc_smem2.at[buf, wg]
-                row_scale = plgpu.load(sc_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+                if q_in_kernel:  # (the previous tile's wgmmas on q_smem have completed)
+                    with jax.named_scope("q_quant"):
+                        row_scale = quantize_q(t, head)
+                else:
+                    row_scale = plgpu.load(sc_smem.at[0],
+                                           layout=plgpu.Layout.WGMMA.reduce(1))
 
                 m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
@@ -805,7 +867,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
                 @jax.named_scope("store")
                 def store_output(acc, l_i):
-                    out_scale = plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+                    out_scale = (sc_ref[head, 1] if q_in_kernel else
+                                 plgpu.load(sc_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1)))
                     # l_i = 0 (no valid slot; with bit_exp2 masked slots give P = 0): acc is 0
                     acc = acc * lax.broadcast_in_dim(out_scale / jnp.maximum(l_i, 1e-30),
                                                      acc.shape, [0])
@@ -939,8 +1002,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if v_in_kernel else _memory)
 
     def entry(*refs):
-        q_refs, (k_ref, vt_ref, sc_ref, bias_ref) = refs[:n_parts], refs[n_parts:n_parts + 4]
-        rest = refs[n_parts + 4:]
+        q_refs, (k_ref, vt_ref, sc_ref, bias_ref) = refs[:n_q_ops], refs[n_q_ops:n_q_ops + 4]
+        rest = refs[n_q_ops + 4:]
         layer_ref, rest = (rest[0], rest[1:]) if stacked else (None, rest)
         mask_ref, rest = (rest[0], rest[1:]) if fast_unmasked else (None, rest)
         out_ref, part_ref, lse_ref = rest
@@ -976,10 +1039,14 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.RefUnion(plgpu.SMEM((8, block_kv), F8, transforms=(t8, sw)),
                            plgpu.SMEM((8, block_kv), F8)),
         )
+        if q_in_kernel:  # the bf16 Q tiles as TMA brings them (as o_smem's layout)
+            smem = smem + (plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, d), q8[0].dtype,
+                                      transforms=(t16, sw)),)
         bars = (
             (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
              plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=n_parts + 1, num_barriers=n_qbuf * COMPUTE_WGS)),
+             plgpu.Barrier(num_arrivals=1 if q_in_kernel else n_parts + 1,
+                           num_barriers=n_qbuf * COMPUTE_WGS)),
             (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # partial loads
@@ -1016,10 +1083,12 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
                    fast_unmasked: bool = True, overlap: str = "",
-                   bit_exp2: bool = False) -> dict:
+                   bit_exp2: bool = False, q_in_kernel: bool = False,
+                   q_split: bool = True) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
-    of the schedule and the per-block mask flags that the softmax options need."""
+    of the schedule and the per-block mask flags that the softmax options need; q_split
+    matters only with q_in_kernel (how many e4m3 parts the kernel makes of Q)."""
     n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
     nb = -(-valid.shape[0] // block_kv)
     return dict(
@@ -1027,19 +1096,20 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
-        overlap=overlap, bit_exp2=bit_exp2)
+        overlap=overlap, bit_exp2=bit_exp2,
+        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
-                                             "overlap", "bit_exp2"))
+                                             "overlap", "bit_exp2", "q_in_kernel"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: str = "", bit_exp2: bool = False):
+                     overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1049,7 +1119,9 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     over ``num_sms`` CTAs (default: the device's SMs, see :func:`stream_k_ctas`); False:
     one CTA per (head, 128-query tile). pingpong, l_in_pv, fast_unmasked: the softmax
     options of :func:`_fp8_attention_call` (the defaults measured fastest together on the
-    H200: -9% kernel time at 18 heads, -7% at 36; BUILD_NOTES, GPU run 6).
+    H200: -9% kernel time at 18 heads, -7% at 36; BUILD_NOTES, GPU run 6). q_in_kernel: the
+    kernel quantizes Q into its e4m3 part(s) itself (needs v_in_kernel; see
+    ``_fp8_attention_call``), instead of XLA passes in this wrapper.
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -1063,10 +1135,17 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               persistent=persistent, num_sms=num_sms,
                                               pingpong=pingpong, l_in_pv=l_in_pv,
                                               fast_unmasked=fast_unmasked,
-                                              overlap=overlap, bit_exp2=bit_exp2))
+                                              overlap=overlap, bit_exp2=bit_exp2,
+                                              q_in_kernel=q_in_kernel, q_split=q_split))
+    if q_in_kernel and not v_in_kernel:
+        raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:
-        q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv,
-                                                       q_split)
+        if q_in_kernel:
+            q8, scales, bias = _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid,
+                                                           block_kv)
+        else:
+            q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid,
+                                                           block_kv, q_split)
         layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         out = call(q8, k, v, scales, bias, layer=layer_arr)
     else:

@@ -186,6 +186,36 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast, bits):
     assert _rel(out[:tq], ref) < 1.5e-2
 
 
+@pytest.mark.parametrize("q_split", [True, False])
+def test_q_in_kernel_inputs_give_the_wrapper_quantization(q_split):
+    """q_in_kernel: the kernel's quantization of its bf16 tile (numpy, as ``quantize_q``:
+    row amax / 448, hi = e4m3(q / s), lo = e4m3(q / s - hi), row factor s * head factor)
+    on ``_prepare_inputs_q_in_kernel``'s operands gives the wrapper's parts and scales
+    (``_prepare_inputs_v_in_kernel``), zero rows past Tq included."""
+    tq, s, h, d = 200, 300, 2, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(12), tq, s, h, d)
+    valid = _valid(s, sink=150, masked_prefix=20)
+    (qb,), head_sc, bias = fa._prepare_inputs_q_in_kernel(q, ks, vs, valid, 128)
+    q8, sc, bias_w = fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, 128, q_split)
+    assert qb.shape == (256, h, d) and qb.dtype == jnp.bfloat16 and head_sc.shape == (h, 2)
+    np.testing.assert_array_equal(np.asarray(bias), np.asarray(bias_w))
+    x = np.asarray(qb, np.float32)  # [Tq', H, D]
+    q_rs = np.maximum(np.abs(x).max(-1), np.float32(1e-30)) / np.float32(fa.F8_MAX)
+    qs = x * (np.float32(1) / q_rs)[..., None]
+    hi = np.asarray(jnp.asarray(qs).astype(fa.F8).astype(jnp.float32))
+    parts = [hi, np.asarray(jnp.asarray(qs - hi).astype(fa.F8).astype(jnp.float32))]
+    assert np.isfinite(qs).all() and not x[tq:].any() and not hi[tq:].any()
+    for mine, theirs in zip(parts[:2 if q_split else 1], q8):
+        theirs = np.asarray(theirs.astype(jnp.float32))
+        # q * (1 / s) vs q / s: a rounding apart, rarely on an e4m3 rounding boundary
+        assert np.mean(mine[:tq] != theirs) < 1e-3
+    head = np.asarray(head_sc)
+    np.testing.assert_allclose((q_rs * head[None, :, 0])[:tq].T, np.asarray(sc[:, 0, :tq]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.broadcast_to(head[:, 1:], (h, tq)), np.asarray(sc[:, 1, :tq]),
+                               rtol=1e-6)
+
+
 def _stream_k_segments(n_tiles, nb, num_ctas):
     """The kernel's per-CTA segments: [(cta, tile, jb, je)], in each CTA's order."""
     units = n_tiles * nb
@@ -265,7 +295,8 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
 @pytest.mark.parametrize("v_in_kernel,q_split,stages,persistent,overlap", [
     (True, True, 3, True, ""), (True, True, 2, True, ""), (True, True, 2, False, ""),
     (True, False, 3, True, ""), (False, True, 3, True, ""), (True, True, 2, True, "qk"),
-    (True, False, 2, False, "qk")])
+    (True, False, 2, False, "qk"), (True, True, 2, True, "q_in_kernel"),
+    (True, False, 2, False, "q_in_kernel")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -277,7 +308,9 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
     try:
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
-            stages=stages, persistent=persistent, num_sms=132, overlap=overlap).lower(
+            stages=stages, persistent=persistent, num_sms=132,
+            overlap="" if overlap == "q_in_kernel" else overlap,
+            q_in_kernel=overlap == "q_in_kernel").lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
@@ -418,6 +451,31 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
           f"vs grid {diff:.3g}")
     assert err < 3e-2
     assert diff < 1e-2  # bf16 partials: a rounding apart
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_split", [True, False])
+@pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ])
+def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
+    """The kernel quantizing Q itself against the same kernel fed the wrapper's e4m3 parts:
+    within a rounding (q * (1/s) vs q / s), every row finite; with the split, against the
+    float32 reference too (single e4m3 Q is over the budget by design)."""
+    _require_hopper()
+    tq, s, h, d = 757, 5788, 3, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(13), tq, s, h, d)
+    valid = _valid(s, sink=1246, masked_prefix=200)
+    jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
+    mine = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, q_split=q_split,
+                                          q_in_kernel=True, **opts), np.float32)
+    theirs = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, q_split=q_split, **opts),
+                        np.float32)
+    ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
+    assert np.isfinite(mine).all()
+    err, diff = _rel(mine, ref), _rel(mine, theirs)
+    print(f"q_in_kernel q_split={q_split} {opts}: rel_err {err:.4g}, vs wrapper {diff:.3g}")
+    assert diff < 5e-3
+    if q_split:
+        assert err < 3e-2
 
 
 @pytest.mark.gpu
