@@ -456,8 +456,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         buffers per warpgroup (aliasing the output staging buffer), the output accumulator
         and row sums in flight across blocks (one run_scoped over the segment, explicit
         wgmma waits). Correct, but 1.5x slower on the H200: ptxas serializes its wgmmas
-        (C7514, accumulator registers read while others are in flight) and spills; what
-        it lacks is a per-register accumulator fence (BUILD_NOTES, GPU run 12).
+        (C7514: O is read and rescaled while Q.K^T is in flight, which FA3 avoids by
+        rescaling after a wait for all) and spills (BUILD_NOTES, GPU run 12).
       q_in_kernel: 0, or the number of e4m3 parts (1 or 2, as q_split) into which the
         kernel quantizes Q itself: q8 is then (Q,) with Q [Tq', H, D] bf16 (Tq' a multiple
         of 128), and scales is [H, 2] f32 per head (logit factor without the row scale,
