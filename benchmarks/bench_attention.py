@@ -265,8 +265,8 @@ def main():
 class _Variants(dict):
     """Kernel variant names: '{kv|wt}_{split|single}_s{stages}' then any of the flags
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
-    the tensor core), '_fast' (no bias on unmasked blocks), '_oq' (overlap='qk', see
-    _fp8_attention_call; implies '_np'), '_bx' (exponentials from float bits), '_qik' (the
+    the tensor core), '_fast' (no bias on unmasked blocks), '_ov' / '_oq' (overlap='pv' /
+    'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
     kernel quantizes Q itself); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
@@ -280,14 +280,15 @@ class _Variants(dict):
                                                 "q_in_kernel")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
-        unknown = set(flags) - {"grid", "np", "lpv", "fast", "oq", "bx", "qik"}
+        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
         return dict(stages=int(st[1:]), q_split=qs == "split", v_in_kernel=vk == "kv",
                     persistent="grid" not in flags,
-                    pingpong=not {"np", "oq"} & set(flags), l_in_pv="lpv" in flags,
-                    fast_unmasked="fast" in flags, overlap="qk" if "oq" in flags else "",
+                    pingpong=not {"np", "ov", "oq"} & set(flags), l_in_pv="lpv" in flags,
+                    fast_unmasked="fast" in flags,
+                    overlap="pv" if "ov" in flags else "qk" if "oq" in flags else "",
                     bit_exp2="bx" in flags, q_in_kernel="qik" in flags)
 
 

@@ -449,8 +449,16 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
       fast_unmasked: ``block_masked`` [nb] int32 says which KV blocks hold a masked slot;
         the others skip the bias: max over the raw logits, then one FMA per element for
         the exponent (the row factor is positive), one op less per element.
-      overlap: "" (Q.K^T, softmax and P.V in turn, each waited for) or "qk":
-        FlashAttention-3's intra-warpgroup pipelining. The softmax of block j runs while
+      overlap: "" (Q.K^T, softmax and P.V in turn, each waited for), "pv" or "qk".
+        "pv" is FlashAttention-3's order: per block, issue Q.K^T of block j + 1, then P.V
+        of block j (P in registers), wait for Q.K^T only, run block j + 1's softmax while
+        P.V runs, then wait for all and rescale. P is fenced once (its only reader is the
+        P.V wgmma: l_in_pv=False) and the softmax's results leave the wgmma region
+        through refs initialized with dummies, so P is dead after its fence. Mosaic's
+        fence is a tied-operand asm, and a live P forced register copies inside the
+        pipeline stage, which ptxas serialized (C7513, GPU run 8: +31%). Not yet run in
+        this form (BUILD_NOTES).
+        "qk": FlashAttention-3's intra-warpgroup pipelining, another order. The softmax of block j runs while
         Q.K^T of block j + 1 and P.V of block j - 1 are on the tensor cores: S_j in
         registers, S_{j+1} in flight in a second accumulator, P through two shared-memory
         buffers per warpgroup (aliasing the output staging buffer), the output accumulator
@@ -508,8 +516,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
-    if overlap not in ("", "qk"):
-        raise ValueError(f"overlap must be '' or 'qk', got {overlap!r}")
+    if overlap not in ("", "pv", "qk"):
+        raise ValueError(f"overlap must be '', 'pv' or 'qk', got {overlap!r}")
+    if overlap == "pv" and l_in_pv:
+        raise ValueError("overlap='pv' lets one wgmma read P: pass l_in_pv=False")
     if overlap and pingpong:
         raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
     p_in_smem = overlap == "qk"  # P's buffers alias the output staging buffer
@@ -860,7 +870,76 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         plgpu.ACC((BLOCK_Q, block_kv), jnp.float32),
                         plgpu.ACC((BLOCK_Q, 8), jnp.float32) if l_in_pv else None)
 
-                if overlap == "qk":
+                def first_block(m_i):
+                    """overlap='pv': Q.K^T and the softmax of the segment's first block:
+                    (p8, m, row sums of P)."""
+                    step = t * nb + jb - u0
+                    slot = lax.rem(step, stages)
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(k_bars.at[slot])
+
+                    def qk(s_ref):
+                        issue_qk(s_ref, slot)
+                        return s_ref[...]
+
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    maybe_signal(step)
+                    p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb)
+                    return p8, m_new, psum
+
+                def pv_pipelined_step(j, carry, has_next):
+                    """overlap='pv': P.V of block j runs while the softmax of block j + 1
+                    does (Q.K^T of j + 1 issued first; the wait for it leaves P.V in
+                    flight). carry: (acc, m, l) over the blocks before j, block j's P and
+                    row sums."""
+                    acc, m_i, l_i, p8, psum = carry
+                    step = t * nb + j - u0
+                    slot = lax.rem(step, stages)
+                    slot_n = lax.rem(step + 1, stages)
+                    with jax.named_scope("sync"):
+                        if has_next:
+                            plgpu.barrier_wait(k_bars.at[slot_n])
+                        plgpu.barrier_wait(v_bars.at[slot])
+
+                    def body(refs):
+                        acc_ref, s_ref, next_refs = refs
+                        if has_next:
+                            issue_qk(s_ref, slot_n)
+                        issue_pv(acc_ref, None, p8, slot)  # P's last use
+                        if not has_next:
+                            return
+                        with jax.named_scope("qk"):
+                            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                        for ref, value in zip(next_refs,
+                                              softmax_block(s, m_i, slot_n, j + 1)[:4]):
+                            ref[...] = value
+
+                    # Dummies of the softmax results' types and layouts (not P itself: a
+                    # P live past its fence costs register copies inside the stage).
+                    p_dummy = plgpu.layout_cast(jnp.zeros((BLOCK_Q, block_kv), F8),
+                                                plgpu.Layout.WGMMA_8BIT)
+                    s_acc = plgpu.ACC.init(plgpu.layout_cast(
+                        jnp.full((BLOCK_Q, block_kv), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+                    inits = (plgpu.ACC.init(acc), s_acc if has_next else None,
+                             (p_dummy, m_i, m_i, m_i) if has_next else None)
+                    with jax.named_scope("pv"):
+                        acc, _, nxt = pl.run_state(body)(inits)
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    l_i = l_i + psum
+                    if not has_next:
+                        return acc, m_i, l_i
+                    p8_n, m_n, alpha, psum_n = nxt
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    return acc, m_n, l_i * alpha, p8_n, psum_n
+
+                if overlap == "pv":
+                    p8, m_i, psum = first_block(m_i)
+                    carry = lax.fori_loop(
+                        jb, je - 1, functools.partial(pv_pipelined_step, has_next=True),
+                        (acc, m_i, l_i, p8, psum))
+                    acc, m_i, l_i = pv_pipelined_step(je - 1, carry, has_next=False)
+                elif overlap == "qk":
                     acc, m_i, l_i = qk_pipelined_segment(m_i, l_i)
                 else:
                     acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))

@@ -296,7 +296,7 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, True, 3, True, ""), (True, True, 2, True, ""), (True, True, 2, False, ""),
     (True, False, 3, True, ""), (False, True, 3, True, ""), (True, True, 2, True, "qk"),
     (True, False, 2, False, "qk"), (True, True, 2, True, "q_in_kernel"),
-    (True, False, 2, False, "q_in_kernel")])
+    (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -309,7 +309,7 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
             stages=stages, persistent=persistent, num_sms=132,
-            overlap="" if overlap == "q_in_kernel" else overlap,
+            overlap="" if overlap == "q_in_kernel" else overlap, l_in_pv=overlap != "pv",
             q_in_kernel=overlap == "q_in_kernel").lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
@@ -401,7 +401,8 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(persistent=False), dict(bit_exp2=True),
     dict(bit_exp2=True, fast_unmasked=False, persistent=False), dict(bit_exp2=True, pingpong=True),
     dict(overlap="qk"), dict(overlap="qk", l_in_pv=False, fast_unmasked=False, persistent=False),
-    dict(overlap="qk", bit_exp2=True)])
+    dict(overlap="qk", bit_exp2=True), dict(overlap="pv", l_in_pv=False),
+    dict(overlap="pv", l_in_pv=False, fast_unmasked=False, persistent=False)])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -423,13 +424,14 @@ def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
     assert diff < 2e-2
 
 
-_BX, _OQ = dict(bit_exp2=True), dict(overlap="qk")
+_BX, _OQ, _OV = dict(bit_exp2=True), dict(overlap="qk"), dict(overlap="pv", l_in_pv=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,num_sms,opts", [
     (18, None, {}), (36, None, {}), (3, 132, {}), (2, 20, {}), (18, None, _BX), (2, 20, _BX),
-    (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ)])
+    (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ), (18, None, _OV),
+    (3, 132, _OV), (2, 20, _OV)])
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -497,7 +499,8 @@ def test_kernel_masked_slots_have_no_influence(opts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("s,opts", [(300, {}), (300, _BX), (2000, dict(num_sms=4)),
                                     (2000, dict(num_sms=4, bit_exp2=True)),
-                                    (2000, dict(num_sms=4, overlap="qk"))])
+                                    (2000, dict(num_sms=4, overlap="qk")),
+                                    (2000, dict(num_sms=4, **_OV))])
 def test_kernel_fully_masked_no_nan(s, opts):
     """No valid slot: zeros, no NaN (also with stream-K partials over masked blocks only,
     and with bit_exp2, where masked slots give P = 0 and the row sums are 0)."""
