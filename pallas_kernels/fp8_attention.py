@@ -23,10 +23,11 @@ Three implementations sit side by side:
   and 128-key step against ~830 of tensor work), so by default the two warpgroups run
   freely (no ping-pong schedule barrier: their softmaxes overlap), the row sums of P come
   from a small wgmma against a block of ones, and blocks without a masked slot skip the
-  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``). Two more options, correct but
-  measured slower there, stay for comparison: ``overlap='qk'`` (FlashAttention-3's
-  intra-warpgroup pipelining, which ptxas serializes) and ``bit_exp2`` (exponentials from
-  float bits instead of the MUFU).
+  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``). Further options, off by default:
+  ``overlap='qk'`` (a pipelining that ptxas serializes) and ``bit_exp2`` (exponentials
+  from float bits instead of the MUFU), both correct and measured slower;
+  ``overlap='pv'`` (FlashAttention-3's intra-warpgroup order, its register operand
+  fenced once) and ``q_in_kernel`` (Q quantized in the kernel), not yet run on a GPU.
 
   - Q is quantized to e4m3 outside the kernel with one scale per (row, head); the row
     scale, the head's K scale, 1/sqrt(D) and log2(e) fold into one per-row factor that
