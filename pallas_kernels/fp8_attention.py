@@ -693,6 +693,20 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     for part in range(n_parts):  # s = (q_hi + q_lo) . k
                         plgpu.wgmma(s_ref, q_smem.at[part], k_smem.at[slot].T)
 
+                def waited_qk(slot, step):
+                    """S = Q.K^T of K stage ``slot`` in a fresh accumulator, waited for
+                    (the ping-pong's schedule barrier between issue and wait), then the
+                    deferred partial signal if ``step`` is due for it."""
+                    def qk(s_ref):
+                        issue_qk(s_ref, slot)
+                        schedule_barrier()
+                        return s_ref[...]
+
+                    with jax.named_scope("qk"):
+                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
+                    maybe_signal(step)
+                    return s
+
                 def issue_pv(acc_ref, sums_ref, p8, slot):
                     plgpu.wgmma(acc_ref, p8, v_smem.at[slot].T)
                     if l_in_pv:  # this block's row sums of P, in a fresh accumulator
@@ -752,15 +766,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc, m_i, l_i = carry
                     step = t * nb + j - u0  # this CTA's pipeline step
                     slot = lax.rem(step, stages)
-
-                    def qk(s_ref):
-                        issue_qk(s_ref, slot)
-                        schedule_barrier()
-                        return s_ref[...]
-
-                    with jax.named_scope("qk"):
-                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                    maybe_signal(step)
+                    s = waited_qk(slot, step)
                     p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc)
                     with jax.named_scope("sync"):
                         if pingpong:
@@ -878,14 +884,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     slot = lax.rem(step, stages)
                     with jax.named_scope("sync"):
                         plgpu.barrier_wait(k_bars.at[slot])
-
-                    def qk(s_ref):
-                        issue_qk(s_ref, slot)
-                        return s_ref[...]
-
-                    with jax.named_scope("qk"):
-                        s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, block_kv), jnp.float32))
-                    maybe_signal(step)
+                    s = waited_qk(slot, step)  # (no ping-pong with overlap)
                     p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb)
                     return p8, m_new, psum
 
