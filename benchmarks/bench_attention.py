@@ -267,7 +267,8 @@ class _Variants(dict):
     '_grid' (one CTA per tile, not stream-K), '_np' (no ping-pong), '_lpv' (row sums from
     the tensor core), '_fast' (no bias on unmasked blocks), '_ov' / '_oq' (overlap='pv' /
     'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
-    kernel quantizes Q itself); e.g.
+    kernel quantizes Q itself), '_pc' / '_pcl' (P's e4m3 codes from float bits, without /
+    with the low-range line; need '_lpv'); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -277,10 +278,11 @@ class _Variants(dict):
             return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
                                                 "fast_unmasked", "overlap", "bit_exp2",
-                                                "q_in_kernel")}
+                                                "q_in_kernel", "p_codes")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
-        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik"}
+        unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",
+                                "pc", "pcl"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -289,7 +291,8 @@ class _Variants(dict):
                     pingpong=not {"np", "ov", "oq"} & set(flags), l_in_pv="lpv" in flags,
                     fast_unmasked="fast" in flags,
                     overlap="pv" if "ov" in flags else "qk" if "oq" in flags else "",
-                    bit_exp2="bx" in flags, q_in_kernel="qik" in flags)
+                    bit_exp2="bx" in flags, q_in_kernel="qik" in flags,
+                    p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0)
 
 
 def attn_kernel_us(breakdown):

@@ -91,6 +91,24 @@ _EXP2_SHIFT = 0.045
 _EXP2_ADD = (round((127 - _EXP2_SHIFT) * 2**23)
              - int(np.array(_EXP2_MAGIC, np.float32).view(np.int32)) * 2**13
              + 2**31) % 2**32 - 2**31
+# P as e4m3 codes straight from the logits (``p_codes``), no MUFU ex2 and no cvt: an
+# e4m3 code is 8 x (biased exponent) + mantissa, so round(8 y + 56 + _CODE_SHIFT) is the
+# code of ~2^y (Schraudolph's linear mantissa on the e4m3 grid), y = log2 P <= 8. In the
+# kernel: v = fma.sat(x, a, b) = clamp(code / 128, 0, 1), then fma(v, 128, _CODE_MAGIC)
+# puts round(128 v) in the low byte of its bits, and byte permutes pack four codes per
+# 32-bit register in the 8-bit wgmma layout. Codes below 8 are e4m3 subnormals, linear
+# in value, not in y: with the low-range line (p_codes=2) the code is at least
+# _CODE_LOW_SLOPE * y + _CODE_LOW_OFFSET, the tangent of 2^(y + 9) (the exact subnormal
+# code) at y = -8, so that P in [2^-10, 2^-6] is not lost (numpy emulation of the kernel,
+# inputs with outliers, 757 x 5788: rel. err 0.0095 with the line, 0.0185 without,
+# 0.0068 with ex2; without outliers 0.023 either way against 0.017 with ex2).
+_CODE_SHIFT = -0.25
+_CODE_LOW_SLOPE = 2.0 * math.log(2.0)
+_CODE_LOW_OFFSET = 2.0 + 8.0 * _CODE_LOW_SLOPE + 0.5
+_CODE_MAGIC = 1.5 * 2**23  # 1 ulp = 1: fma(v, 128, magic) rounds 128 v into the low bits
+# prmt selectors that pack the low bytes of four words a, b, c, d into [a, b, c, d]:
+# lo = prmt(a, b, PAIR), hi = prmt(c, d, PAIR), word = prmt(lo, hi, QUAD).
+_PACK_PAIR_SEL, _PACK_QUAD_SEL = 0x0040, 0x5410
 # The kernel's name as profiler traces show it ('fp8_attention_mosaic_gpu_kernel').
 KERNEL_NAME = "fp8_attention"
 
@@ -173,6 +191,87 @@ def exp2_from_bits(u):
     the kernel). y below _EXP2_FLOOR must be clamped by the caller."""
     i = lax.bitcast_convert_type(u, jnp.int32) * (2**13) + jnp.int32(_EXP2_ADD)
     return lax.bitcast_convert_type(i, jnp.float32)
+
+
+def p_code_coefficients(xa, y_off, low_line: bool):
+    """Per-row coefficients of the e4m3 P codes for y = x * xa + y_off (any shapes that
+    broadcast): ((a, b), plus (a2, b2) with the low-range line), with which the kernel
+    computes code / 128 = max(clamp(x a + b, 0, 1), x a2 + b2)."""
+    c = ((xa * (1.0 / 16.0), y_off * (1.0 / 16.0) + (56.0 + _CODE_SHIFT) / 128.0),)
+    if low_line:
+        c += ((xa * (_CODE_LOW_SLOPE / 128.0),
+               y_off * (_CODE_LOW_SLOPE / 128.0) + _CODE_LOW_OFFSET / 128.0),)
+    return c
+
+
+def p_codes_reference(x, xa, y_off, low_line: bool):
+    """What the kernel's ``p_codes`` P is, as e4m3 values (f32): the codes of
+    :func:`p_code_coefficients` for y = x * xa + y_off, rounded half to even."""
+    (a, b), *low = p_code_coefficients(xa, y_off, low_line)
+    v = jnp.clip(x * a + b, 0.0, 1.0)
+    for a2, b2 in low:
+        v = jnp.maximum(v, x * a2 + b2)
+    code = jnp.round(v * 128.0).astype(jnp.uint8)
+    return lax.bitcast_convert_type(code, F8).astype(jnp.float32)
+
+
+def _p_codes_8bit_a(x, coefs, block_kv: int):
+    """Kernel code: e4m3 P codes (:func:`p_codes_reference`) of x [64, bkv] f32 (WGMMA
+    layout) in the 8-bit wgmma A layout, no MUFU, no cvt. coefs: the
+    :func:`p_code_coefficients` pairs, each broadcast to x's shape. Per four elements of
+    a row: four saturating FMAs (two more FMAs and a max each with the low-range line),
+    four rounding FMAs and three byte permutes, one inline PTX block. The register
+    grouping is :func:`_key_permutation`'s (pairs 2g and 2g + 1 of a row form one
+    32-bit register), as in the e4m3 cast + regroup of the MUFU path."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+
+    low_line = len(coefs) == 2
+    flat = [c for pair in coefs for c in pair]
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,) * (1 + len(flat)),
+        return_type=plgpu.ShapeDtypeStruct((BLOCK_Q, block_kv), F8,
+                                           layout=plgpu.Layout.WGMMA_8BIT),
+    )
+    def codes(ctx, xs, *cs):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+
+        def elem(reg, e):
+            return vector.extract(reg, dynamic_position=[],
+                                  static_position=ir.DenseI64ArrayAttr.get([e]))
+
+        lines = [f"fma.rn.sat.f32 t{i}, ${i + 1}, $5, $6;" for i in range(4)]
+        if low_line:
+            lines += [f"fma.rn.f32 w{i}, ${i + 1}, $7, $8;\n\tmax.f32 t{i}, t{i}, w{i};"
+                      for i in range(4)]
+        f32_hex = lambda v: f"0f{int(np.array(v, np.float32).view(np.uint32)):08X}"
+        lines += [f"fma.rn.f32 t{i}, t{i}, {f32_hex(128.0)}, {f32_hex(_CODE_MAGIC)};"
+                  for i in range(4)]
+        lines += [f"prmt.b32 lo, t0, t1, {_PACK_PAIR_SEL:#06x};",
+                  f"prmt.b32 hi, t2, t3, {_PACK_PAIR_SEL:#06x};",
+                  f"prmt.b32 $0, lo, hi, {_PACK_QUAD_SEL:#06x};"]
+        ptx = ("{\n\t.reg .f32 t0, t1, t2, t3, w0, w1, w2, w3;\n\t.reg .b32 lo, hi;\n\t"
+               + "\n\t".join(lines) + "\n\t}")
+        regs = xs.registers  # [1, bkv/8, 1, 1, 2, 1, 1, 1, 1] of vector<2xf32>
+        new = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((BLOCK_Q, block_kv)), object)
+        for rh in range(2):
+            # each coefficient is constant along a row: any register of row half rh
+            row = [elem(c.registers[0, 0, 0, 0, rh, 0, 0, 0, 0], 0) for c in cs]
+            for g in range(block_kv // 16):
+                vals = [elem(regs[0, 2 * g + k, 0, 0, rh, 0, 0, 0, 0], e)
+                        for k in range(2) for e in range(2)]
+                word = utils.inline_ptx(ptx, *vals, *row, result_types=i32)
+                new[0, g, 0, 0, rh, 0, 0, 0, 0] = utils.bitcast(word, f8x4)
+        return mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                    _is_signed=None)
+
+    return codes(x, *flat)
 
 
 def _key_permutation(block_kv: int) -> np.ndarray:
@@ -405,7 +504,8 @@ def _fence_proxy_async_global():
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
-                        block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0):
+                        block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0,
+                        p_codes=0):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -479,6 +579,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         cycle). On the H200 the softmax shortens by ~25% but the kernel does not (its two
         warpgroups then wait longer on the tensor cores; BUILD_NOTES, GPU run 10);
         rel. err 0.008 instead of 0.007.
+      p_codes: 0, or P's e4m3 codes computed from the logits' float bits, without the
+        MUFU ex2 and without the f32 -> e4m3 cvt (:func:`_p_codes_8bit_a`; the two are
+        16-per-SM-and-cycle operations, 66 + 32 per thread and block); 2 adds the
+        low-range line for P below 2^-6 (:data:`_CODE_LOW_SLOPE`). Needs l_in_pv.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -519,6 +623,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
     if overlap not in ("", "pv", "qk"):
         raise ValueError(f"overlap must be '', 'pv' or 'qk', got {overlap!r}")
+    if p_codes not in (0, 1, 2) or (p_codes and (bit_exp2 or not l_in_pv)):
+        raise ValueError("p_codes (1, or 2 with the low-range line) replaces bit_exp2 and "
+                         "needs l_in_pv=True (the row sums of the e4m3 P)")
     if overlap == "pv" and l_in_pv:
         raise ValueError("overlap='pv' lets one wgmma read P: pass l_in_pv=False")
     if overlap and pingpong:
@@ -721,6 +828,29 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     and returned so. Releases the K stage (K and the bias) once the bias
                     is read."""
                     rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
+                    if p_codes:  # P's e4m3 codes straight from x: y = x * xa + y_off
+                        if masked:
+                            b = plgpu.load(b_smem.at[slot],
+                                           layout=plgpu.Layout.WGMMA.reduce(0))
+                            plgpu.barrier_arrive(k_done.at[slot])
+                            s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
+                            m_new = jnp.maximum(m_i, s.max(axis=1))
+                            xa = plgpu.layout_cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32),
+                                                   plgpu.Layout.WGMMA.reduce(1))
+                        else:
+                            plgpu.barrier_arrive(k_done.at[slot])
+                            m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
+                            xa = row_scale
+                        coefs = tuple(
+                            tuple(lax.broadcast_in_dim(c, s.shape, [0]) for c in pair)
+                            for pair in p_code_coefficients(xa, _P_LOG2_SCALE - m_new,
+                                                            p_codes == 2))
+                        p8 = _p_codes_8bit_a(s, coefs, block_kv)
+                        alpha = jnp.exp2(m_i - m_new)
+                        if acc is not None:
+                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                            l_i = l_i * alpha
+                        return lax.optimization_barrier((p8, m_new, alpha, None, acc, l_i))
                     # P = exp2(y), y = s - m_new + 8; bit_exp2: from u = y + magic
                     off = _EXP2_MAGIC if bit_exp2 else 0.0
                     if masked:
@@ -1163,7 +1293,7 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
                    fast_unmasked: bool = True, overlap: str = "",
                    bit_exp2: bool = False, q_in_kernel: bool = False,
-                   q_split: bool = True) -> dict:
+                   q_split: bool = True, p_codes: int = 0) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
@@ -1176,19 +1306,21 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
         overlap=overlap, bit_exp2=bit_exp2,
-        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0)
+        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
-                                             "overlap", "bit_exp2", "q_in_kernel"))
+                                             "overlap", "bit_exp2", "q_in_kernel",
+                                             "p_codes"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False):
+                     overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
+                     p_codes: int = 0):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1200,7 +1332,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     options of :func:`_fp8_attention_call` (the defaults measured fastest together on the
     H200: -9% kernel time at 18 heads, -7% at 36; BUILD_NOTES, GPU run 6). q_in_kernel: the
     kernel quantizes Q into its e4m3 part(s) itself (needs v_in_kernel; see
-    ``_fp8_attention_call``), instead of XLA passes in this wrapper.
+    ``_fp8_attention_call``), instead of XLA passes in this wrapper. p_codes: P's e4m3
+    codes from the logits' bits instead of ex2 + cvt (1; 2 with the low-range line).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -1215,7 +1348,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               pingpong=pingpong, l_in_pv=l_in_pv,
                                               fast_unmasked=fast_unmasked,
                                               overlap=overlap, bit_exp2=bit_exp2,
-                                              q_in_kernel=q_in_kernel, q_split=q_split))
+                                              q_in_kernel=q_in_kernel, q_split=q_split,
+                                              p_codes=p_codes))
     if q_in_kernel and not v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:

@@ -136,7 +136,8 @@ def test_prepared_inputs_layout_and_split_q():
 
 @pytest.mark.parametrize("l_from_p8,fast,bits", [
     (False, False, False), (True, False, False), (True, True, False), (True, True, True),
-    (True, False, True)])
+    (True, False, True), (True, True, "codes1"), (True, True, "codes2"),
+    (True, False, "codes2")])
 def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast, bits):
     """numpy emulation of the kernel's arithmetic on the prepared inputs: online softmax
     per 128-key block, e4m3 P read through the 8-bit register regroup, permuted V^T.
@@ -144,7 +145,9 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast, bits):
     l_from_p8: the row sums taken over the e4m3 P (``l_in_pv``), not the f32 P.
     fast: blocks without a masked slot skip the bias, the row max taken over the raw
     logits times the (positive) row factor (``fast_unmasked``).
-    bits: the exponentials from float bits (``bit_exp2``, :func:`fa.exp2_from_bits`)."""
+    bits: the exponentials from float bits (``bit_exp2``, :func:`fa.exp2_from_bits`), or
+    'codes1' / 'codes2': P's e4m3 codes from float bits (``p_codes`` 1 / 2,
+    :func:`fa.p_codes_reference` on the same x, row factor and offset as the kernel)."""
     tq, s, h, d, bkv = 200, 300, 2, 128, 128
     q, k, v, ks, vs = _inputs(jax.random.key(6), tq, s, h, d)
     valid = _valid(s, sink=150, masked_prefix=20, ring_filled=100)
@@ -167,11 +170,19 @@ def test_kernel_algorithm_emulated_on_cpu(l_from_p8, fast, bits):
             if fast and not masked[j]:
                 mn = np.maximum(m, raw.max(1) * c)
                 y = raw * c[:, None] + (fa._P_LOG2_SCALE - mn)[:, None]
+                x, xa = raw, c[:, None]
             else:
                 ss = raw * c[:, None] + bias[None, blk]
                 mn = np.maximum(m, ss.max(1))
                 y = ss - (mn - fa._P_LOG2_SCALE)[:, None]
-            if bits:
+                x, xa = ss, np.float32(1.0)
+            if isinstance(bits, str):
+                p = np.asarray(fa.p_codes_reference(
+                    jnp.asarray(x, jnp.float32), jnp.asarray(xa, jnp.float32),
+                    jnp.asarray((fa._P_LOG2_SCALE - mn)[:, None], jnp.float32),
+                    low_line=bits == "codes2"))
+                assert np.isfinite(p).all() and p.max() <= 256
+            elif bits:
                 u = np.maximum(y + np.float32(fa._EXP2_MAGIC), fa._EXP2_MAGIC + fa._EXP2_FLOOR)
                 p = np.asarray(fa.exp2_from_bits(jnp.asarray(u, jnp.float32)))
                 assert np.all(p[y < -20] < 1e-6) and np.all(p > 0)
@@ -296,7 +307,8 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, True, 3, True, ""), (True, True, 2, True, ""), (True, True, 2, False, ""),
     (True, False, 3, True, ""), (False, True, 3, True, ""), (True, True, 2, True, "qk"),
     (True, False, 2, False, "qk"), (True, True, 2, True, "q_in_kernel"),
-    (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv")])
+    (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv"),
+    (True, True, 2, True, "p_codes1"), (True, True, 2, False, "p_codes2")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -309,8 +321,9 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
             stages=stages, persistent=persistent, num_sms=132,
-            overlap="" if overlap == "q_in_kernel" else overlap, l_in_pv=overlap != "pv",
-            q_in_kernel=overlap == "q_in_kernel").lower(
+            overlap=overlap if overlap in ("qk", "pv") else "", l_in_pv=overlap != "pv",
+            q_in_kernel=overlap == "q_in_kernel",
+            p_codes=int(overlap[-1]) if overlap.startswith("p_codes") else 0).lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
@@ -402,7 +415,9 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(bit_exp2=True, fast_unmasked=False, persistent=False), dict(bit_exp2=True, pingpong=True),
     dict(overlap="qk"), dict(overlap="qk", l_in_pv=False, fast_unmasked=False, persistent=False),
     dict(overlap="qk", bit_exp2=True), dict(overlap="pv", l_in_pv=False),
-    dict(overlap="pv", l_in_pv=False, fast_unmasked=False, persistent=False)])
+    dict(overlap="pv", l_in_pv=False, fast_unmasked=False, persistent=False),
+    dict(p_codes=1), dict(p_codes=2), dict(p_codes=2, fast_unmasked=False, persistent=False),
+    dict(p_codes=2, pingpong=True), dict(p_codes=2, overlap="qk")])
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -425,13 +440,15 @@ def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
 
 
 _BX, _OQ, _OV = dict(bit_exp2=True), dict(overlap="qk"), dict(overlap="pv", l_in_pv=False)
+_PC1, _PC2 = dict(p_codes=1), dict(p_codes=2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,num_sms,opts", [
     (18, None, {}), (36, None, {}), (3, 132, {}), (2, 20, {}), (18, None, _BX), (2, 20, _BX),
     (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ), (18, None, _OV),
-    (3, 132, _OV), (2, 20, _OV)])
+    (3, 132, _OV), (2, 20, _OV), (18, None, _PC1), (18, None, _PC2), (36, None, _PC2),
+    (3, 132, _PC2), (2, 20, _PC2)])
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -481,7 +498,8 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ])
+@pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
+                                  _PC1, _PC2])
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
@@ -500,7 +518,8 @@ def test_kernel_masked_slots_have_no_influence(opts):
 @pytest.mark.parametrize("s,opts", [(300, {}), (300, _BX), (2000, dict(num_sms=4)),
                                     (2000, dict(num_sms=4, bit_exp2=True)),
                                     (2000, dict(num_sms=4, overlap="qk")),
-                                    (2000, dict(num_sms=4, **_OV))])
+                                    (2000, dict(num_sms=4, **_OV)), (300, _PC2),
+                                    (2000, dict(num_sms=4, **_PC1))])
 def test_kernel_fully_masked_no_nan(s, opts):
     """No valid slot: zeros, no NaN (also with stream-K partials over masked blocks only,
     and with bit_exp2, where masked slots give P = 0 and the row sums are 0)."""
@@ -517,6 +536,49 @@ def _prmt(a, b, sel):
     """PTX prmt.b32 (default mode): byte k of the result = byte sel[k] of {b:a}."""
     src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
     return sum(src[(sel >> (4 * k)) & 7] << (8 * k) for k in range(4))
+
+
+@pytest.mark.parametrize("low_line", [False, True])
+def test_p_codes_are_e4m3_powers_of_two(low_line):
+    """p_codes' P as a function of y = log2 P (x = y, row factor 1, offset 0): monotone,
+    never NaN or above 2^8 for y <= 8 (masked logits included), exact at the integers
+    -6..8, within Schraudolph's error of 2^y in the normal range, and (with the
+    low-range line only) nonzero down to y = -9."""
+    y = np.concatenate([np.linspace(-14.0, 8.0, 8801), [-1e30, -3e4]]).astype(np.float32)
+    one = jnp.ones_like(jnp.asarray(y))
+    p = np.asarray(fa.p_codes_reference(jnp.asarray(y), one, 0 * one, low_line))
+    assert np.isfinite(p).all() and p.max() == 256.0 and p[-2:].max() == 0.0
+    order = np.argsort(y)
+    assert (np.diff(p[order]) >= 0).all()
+    ints = np.arange(-6, 9).astype(np.float32)
+    pi = np.asarray(fa.p_codes_reference(jnp.asarray(ints), jnp.ones(15), jnp.zeros(15),
+                                         low_line))
+    np.testing.assert_array_equal(pi, 2.0 ** ints)
+    normal = (y >= -6) & (y <= 8)
+    err = np.abs(np.log2(p[normal]) - y[normal])
+    assert err.max() < 0.16  # linear mantissa (<= 0.086) + half a code (<= 0.09 near 1)
+    low = (y > -9.01) & (y < -7.5)
+    assert (p[low] > 0).all() if low_line else (p[low] == 0).all()
+
+
+def test_p_codes_packing_emulated():
+    """_p_codes_8bit_a's per-register arithmetic in numpy: fma(v, 128, magic) leaves
+    round(128 v) in the low byte of the f32 bits, and the three prmt selectors pack four
+    such words into one register, element k in byte k (the order of the e4m3 cast +
+    8-bit regroup, :func:`fa._key_permutation`)."""
+    rng = np.random.default_rng(3)
+    v = np.concatenate([rng.uniform(0, 126 / 128, 4000), np.arange(127) / 128,
+                        (np.arange(126) + 0.5) / 128]).astype(np.float32)
+    u = v * np.float32(128) + np.float32(fa._CODE_MAGIC)  # x 128 is exact: = the fma
+    bits = u.view(np.uint32).astype(np.int64)
+    np.testing.assert_array_equal(bits & 0xFF, np.round(v.astype(np.float64) * 128))
+    assert ((bits >> 8) == int(np.array(fa._CODE_MAGIC, np.float32).view(np.uint32)) >> 8).all()
+    w = bits[: len(bits) // 4 * 4].reshape(-1, 4)
+    for a, b, c, d in w[:500]:
+        lo, hi = _prmt(a, b, fa._PACK_PAIR_SEL), _prmt(c, d, fa._PACK_PAIR_SEL)
+        word = _prmt(lo, hi, fa._PACK_QUAD_SEL)
+        assert [(word >> (8 * k)) & 0xFF for k in range(4)] == [a & 0xFF, b & 0xFF,
+                                                              c & 0xFF, d & 0xFF]
 
 
 def test_in_kernel_v_transpose_addressing_emulated():
