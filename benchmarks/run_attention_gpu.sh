@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device call (2 x H200): FP8 attention tests and benchmark, every stage under its own
+# One device call (1 or 2 x H200): FP8 attention tests and benchmark, every stage under its own
 # timeout, logs under $OUT (7 files, 8 with the profile). GPU 0: benchmark; first the contenders and the known
 # kernel (VARIANTS_A), then the new variants (VARIANTS_B), so that a failing or hanging
-# new variant cannot cost the known numbers. GPU 1, in parallel: the GPU tests.
+# new variant cannot cost the known numbers. The GPU tests: on GPU 1 in parallel, or on
+# GPU 0 after the benchmarks when the machine has one GPU.
 # CPU tests in the background on the host.
 # Usage: OUT=/some/dir bash benchmarks/run_attention_gpu.sh
 # Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2: GPU run 5's kernel), VARIANTS_B
@@ -22,10 +23,14 @@ CONTENDERS=${CONTENDERS:-1}
 ITERS=${ITERS:-20}
 ( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
     tests/test_fp8_attention.py; echo "rc=$?" ) > "$OUT/cpu_tests.txt" 2>&1 &
-( nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
-  CUDA_VISIBLE_DEVICES=1 timeout "${T_TESTS:-300}" python3 -m pytest -v -s -m gpu \
-    -p no:cacheprovider tests/test_fp8_attention.py -k "${TESTS_K:-}"; echo "rc=$?" \
-  ) > "$OUT/gpu_tests.txt" 2>&1 &
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+gpu_tests() {  # $1: the GPU to run them on
+  nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv
+  CUDA_VISIBLE_DEVICES=$1 timeout "${T_TESTS:-300}" python3 -m pytest -v -s -m gpu \
+    -p no:cacheprovider tests/test_fp8_attention.py -k "${TESTS_K:-}"; echo "rc=$?"
+}
+# Two GPUs: the tests on GPU 1 beside the benchmark; one GPU: after it, on GPU 0.
+[ "$NGPU" -ge 2 ] && { gpu_tests 1 > "$OUT/gpu_tests.txt" 2>&1 & }
 export CUDA_VISIBLE_DEVICES=0
 timeout "${T_A:-150}" python3 benchmarks/bench_attention.py --out "$OUT" --tag _a \
     --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_a.txt --variants "$VARIANTS_A" \
@@ -44,6 +49,7 @@ if [ -n "${PROFILE_VARIANT:-}" ]; then
   tail -25 /tmp/prof/profile.txt
   tar czf "$OUT/prof.tgz" -C /tmp prof
 fi
+[ "$NGPU" -ge 2 ] || gpu_tests 0 > "$OUT/gpu_tests.txt" 2>&1
 wait
 grep -h "registers\|spill\|arning" "$OUT/bench_b.txt" | sort | uniq -c | head -20
 grep -h "rel_err\|stream-K\|passed\|failed\|rc=\|Error" "$OUT/gpu_tests.txt" | cut -c1-250 | tail -40

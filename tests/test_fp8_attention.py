@@ -58,6 +58,13 @@ def _naive(q, k, v, ks, vs, valid):
     return np.einsum("hqk,khd->qhd", p, v)
 
 
+def _opt_id(opts):
+    """A readable pytest id for a dict of kernel options ('p_codes=2-pingpong=True')."""
+    if isinstance(opts, dict):
+        return "-".join(f"{k}={v}" for k, v in opts.items()) or "defaults"
+    return None
+
+
 def _rel(a, b):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
@@ -417,7 +424,7 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(overlap="qk", bit_exp2=True), dict(overlap="pv", l_in_pv=False),
     dict(overlap="pv", l_in_pv=False, fast_unmasked=False, persistent=False),
     dict(p_codes=1), dict(p_codes=2), dict(p_codes=2, fast_unmasked=False, persistent=False),
-    dict(p_codes=2, pingpong=True), dict(p_codes=2, overlap="qk")])
+    dict(p_codes=2, pingpong=True), dict(p_codes=2, overlap="qk")], ids=_opt_id)
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -448,7 +455,7 @@ _PC1, _PC2 = dict(p_codes=1), dict(p_codes=2)
     (18, None, {}), (36, None, {}), (3, 132, {}), (2, 20, {}), (18, None, _BX), (2, 20, _BX),
     (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ), (18, None, _OV),
     (3, 132, _OV), (2, 20, _OV), (18, None, _PC1), (18, None, _PC2), (36, None, _PC2),
-    (3, 132, _PC2), (2, 20, _PC2)])
+    (3, 132, _PC2), (2, 20, _PC2)], ids=_opt_id)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -474,7 +481,7 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_split", [True, False])
-@pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ])
+@pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ], ids=_opt_id)
 def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
     """The kernel quantizing Q itself against the same kernel fed the wrapper's e4m3 parts:
     within a rounding (q * (1/s) vs q / s), every row finite; with the split, against the
@@ -499,7 +506,7 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
-                                  _PC1, _PC2])
+                                  _PC1, _PC2], ids=_opt_id)
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
@@ -519,7 +526,7 @@ def test_kernel_masked_slots_have_no_influence(opts):
                                     (2000, dict(num_sms=4, bit_exp2=True)),
                                     (2000, dict(num_sms=4, overlap="qk")),
                                     (2000, dict(num_sms=4, **_OV)), (300, _PC2),
-                                    (2000, dict(num_sms=4, **_PC1))])
+                                    (2000, dict(num_sms=4, **_PC1))], ids=_opt_id)
 def test_kernel_fully_masked_no_nan(s, opts):
     """No valid slot: zeros, no NaN (also with stream-K partials over masked blocks only,
     and with bit_exp2, where masked slots give P = 0 and the row sums are 0)."""
