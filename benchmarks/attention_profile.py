@@ -10,6 +10,7 @@ a 79.9 us kernel spans 159.5 k of them), so times here are in thousands of cycle
 
   python3 benchmarks/attention_profile.py --out $OUT/prof --heads 18 --schedules grid,stream_k
   python3 benchmarks/attention_profile.py --variant kv_split_s2   # GPU run 5's softmax
+  python3 benchmarks/attention_profile.py --variant default --debug no_softmax  # the rest
 
 --variant names the softmax options as bench_attention.py does ('default': the defaults of
 ``attention_pallas``); --schedules overrides its grid/stream-K choice.
@@ -79,6 +80,10 @@ def main() -> int:
     ap.add_argument("--schedules", default="grid,stream_k")
     ap.add_argument("--variant", default="default")
     ap.add_argument("--summarize", nargs="*", help="only summarize these trace files")
+    ap.add_argument("--debug", default="",
+                    help="comma-separated timing diagnostics of _fp8_attention_call "
+                         "(no_v_transpose, no_softmax: wrong results, the kernel without "
+                         "that part)")
     args = ap.parse_args()
     if args.summarize:
         for f in args.summarize:
@@ -103,7 +108,7 @@ def main() -> int:
             os.makedirs(pdir, exist_ok=True)
             f = jax.jit(lambda a, b, c, d_, e, pdir=pdir, opts=opts: fa._fp8_attention_call(
                 a, b, c, d_, e, out_dtype=jnp.bfloat16, clip_out=False, profile_dir=pdir,
-                **opts))
+                debug=tuple(x for x in args.debug.split(",") if x), **opts))
             for _ in range(3):
                 jax.block_until_ready(f(q8, k8, v8, sc, bias))
             files = sorted(glob.glob(f"{pdir}/*.json"), key=os.path.getmtime)
@@ -111,7 +116,8 @@ def main() -> int:
                 print(f"h={h} {sched}: no trace written in {pdir}")
                 continue
             r = summarize(files[-1])
-            r.update(heads=h, schedule=sched, variant=args.variant, trace=files[-1])
+            r.update(heads=h, schedule=sched, variant=args.variant, debug=args.debug,
+                     trace=files[-1])
             results.append(r)
             units = h * -(-TQ // (fa.COMPUTE_WGS * fa.BLOCK_Q)) * -(-S // BLOCK_KV)
             steps = units / r["ctas"]

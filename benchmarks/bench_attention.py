@@ -268,7 +268,7 @@ class _Variants(dict):
     the tensor core), '_fast' (no bias on unmasked blocks), '_ov' / '_oq' (overlap='pv' /
     'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
     kernel quantizes Q itself), '_pc' / '_pcl' (P's e4m3 codes from float bits, without /
-    with the low-range line; need '_lpv'); e.g.
+    with the low-range line; need '_lpv'), '_lz' (lazy_rescale); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -278,11 +278,12 @@ class _Variants(dict):
             return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
                                                 "fast_unmasked", "overlap", "bit_exp2",
-                                                "q_in_kernel", "p_codes")}
+                                                "q_in_kernel", "p_codes",
+                                                "lazy_rescale")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
         unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",
-                                "pc", "pcl"}
+                                "pc", "pcl", "lz"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -292,7 +293,8 @@ class _Variants(dict):
                     fast_unmasked="fast" in flags,
                     overlap="pv" if "ov" in flags else "qk" if "oq" in flags else "",
                     bit_exp2="bx" in flags, q_in_kernel="qik" in flags,
-                    p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0)
+                    p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0,
+                    lazy_rescale="lz" in flags)
 
 
 def attn_kernel_us(breakdown):

@@ -11,8 +11,10 @@
 # CONTENDERS (1: cuDNN, XLA, PyTorch),
 # ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s), TESTS_K (pytest -k filter of the GPU
 # tests, default all), PTXAS_B (1: ptxas -v of stage B's kernels, its register and spill
-# lines in the summary), PROFILE_VARIANT (a variant name: then the Mosaic GPU profile of
-# that variant at 18 heads, stream-K, after the benchmarks, in $OUT/prof.tgz).
+# lines in the summary), PROFILE_VARIANT (variant names, comma-separated, each optionally
+# ':diag1+diag2' with attention_profile.py --debug diagnostics: the Mosaic GPU profile of
+# each at 18 heads, stream-K, after the benchmarks), SASS_VARIANT (a variant: its PTX,
+# ptxas report and SASS); both in $OUT/prof.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
@@ -41,12 +43,21 @@ env "${PTXAS_ENV[@]}" timeout "${T_B:-150}" python3 benchmarks/bench_attention.p
     --iters "$ITERS" --heads "$HEADS" --log /tmp/bench_log_b.txt --variants "$VARIANTS_B" \
     --contenders 0 > "$OUT/bench_b.txt" 2>&1
 echo "bench_b rc=$?"
-if [ -n "${PROFILE_VARIANT:-}" ]; then
+if [ -n "${PROFILE_VARIANT:-}${SASS_VARIANT:-}" ]; then
   mkdir -p /tmp/prof
-  timeout "${T_PROF:-120}" python3 benchmarks/attention_profile.py --out /tmp/prof --heads 18 \
-    --schedules stream_k --variant "$PROFILE_VARIANT" > /tmp/prof/profile.txt 2>&1 \
-    || echo "profile rc=$?"
-  tail -25 /tmp/prof/profile.txt
+  for pv in ${PROFILE_VARIANT//,/ }; do  # variant or variant:debug1+debug2
+    dbg=""; [[ $pv == *:* ]] && dbg=${pv#*:}; dbg=${dbg//+/,}
+    timeout "${T_PROF:-120}" python3 benchmarks/attention_profile.py --out "/tmp/prof/${pv//[:+]/_}" \
+      --heads 18 --schedules stream_k --variant "${pv%%:*}" --debug "$dbg" \
+      > "/tmp/prof/${pv//[:+]/_}.txt" 2>&1 || echo "profile $pv rc=$?"
+    echo "== profile $pv"; grep -A12 "^heads" "/tmp/prof/${pv//[:+]/_}.txt" | grep -v "^  *Init\|merge\|partial\|store\|q_wait"
+  done
+  if [ -n "${SASS_VARIANT:-}" ]; then  # PTX, ptxas report and SASS of one variant
+    MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 benchmarks/attention_ptx.py \
+      --variant "$SASS_VARIANT" --out "/tmp/prof/ptx_$SASS_VARIANT" > /tmp/prof/ptx.txt 2>&1 \
+      || echo "ptx rc=$?"
+    ls -la "/tmp/prof/ptx_$SASS_VARIANT" | head
+  fi
   tar czf "$OUT/prof.tgz" -C /tmp prof
 fi
 [ "$NGPU" -ge 2 ] || gpu_tests 0 > "$OUT/gpu_tests.txt" 2>&1

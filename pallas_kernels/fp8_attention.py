@@ -102,13 +102,16 @@ _EXP2_ADD = (round((127 - _EXP2_SHIFT) * 2**23)
 # code) at y = -8, so that P in [2^-10, 2^-6] is not lost (numpy emulation of the kernel,
 # inputs with outliers, 757 x 5788: rel. err 0.0095 with the line, 0.0185 without,
 # 0.0068 with ex2; without outliers 0.023 either way against 0.017 with ex2).
-_CODE_SHIFT = -0.25
+_CODE_SHIFT = -0.25  # with lazy_rescale y <= 8.75: code <= 125.75 -> 126 (448), no NaN
 _CODE_LOW_SLOPE = 2.0 * math.log(2.0)
 _CODE_LOW_OFFSET = 2.0 + 8.0 * _CODE_LOW_SLOPE + 0.5
 _CODE_MAGIC = 1.5 * 2**23  # 1 ulp = 1: fma(v, 128, magic) rounds 128 v into the low bits
 # prmt selectors that pack the low bytes of four words a, b, c, d into [a, b, c, d]:
 # lo = prmt(a, b, PAIR), hi = prmt(c, d, PAIR), word = prmt(lo, hi, QUAD).
 _PACK_PAIR_SEL, _PACK_QUAD_SEL = 0x0040, 0x5410
+# lazy_rescale: the running row max (log2 units) moves only past this margin, so P <=
+# 2^(8 + margin) = 430 < 448 (e4m3's maximum; code 126 with p_codes).
+_LAZY_RESCALE = 0.75
 # The kernel's name as profiler traces show it ('fp8_attention_mosaic_gpu_kernel').
 KERNEL_NAME = "fp8_attention"
 
@@ -215,14 +218,15 @@ def p_codes_reference(x, xa, y_off, low_line: bool):
     return lax.bitcast_convert_type(code, F8).astype(jnp.float32)
 
 
-def _p_codes_8bit_a(x, coefs, block_kv: int):
+def _p_codes_8bit_a(x, coefs, block_kv: int, raw: bool = False):
     """Kernel code: e4m3 P codes (:func:`p_codes_reference`) of x [64, bkv] f32 (WGMMA
     layout) in the 8-bit wgmma A layout, no MUFU, no cvt. coefs: the
     :func:`p_code_coefficients` pairs, each broadcast to x's shape. Per four elements of
     a row: four saturating FMAs (two more FMAs and a max each with the low-range line),
     four rounding FMAs and three byte permutes, one inline PTX block. The register
     grouping is :func:`_key_permutation`'s (pairs 2g and 2g + 1 of a row form one
-    32-bit register), as in the e4m3 cast + regroup of the MUFU path."""
+    32-bit register), as in the e4m3 cast + regroup of the MUFU path. raw (a timing
+    diagnostic): only the byte permutes, on x's own bits."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
@@ -253,6 +257,8 @@ def _p_codes_8bit_a(x, coefs, block_kv: int):
         f32_hex = lambda v: f"0f{int(np.array(v, np.float32).view(np.uint32)):08X}"
         lines += [f"fma.rn.f32 t{i}, t{i}, {f32_hex(128.0)}, {f32_hex(_CODE_MAGIC)};"
                   for i in range(4)]
+        if raw:
+            lines = [f"mov.b32 t{i}, ${i + 1};" for i in range(4)]
         lines += [f"prmt.b32 lo, t0, t1, {_PACK_PAIR_SEL:#06x};",
                   f"prmt.b32 hi, t2, t3, {_PACK_PAIR_SEL:#06x};",
                   f"prmt.b32 $0, lo, hi, {_PACK_QUAD_SEL:#06x};"]
@@ -272,6 +278,49 @@ def _p_codes_8bit_a(x, coefs, block_kv: int):
                                     _is_signed=None)
 
     return codes(x, *flat)
+
+
+def _rescale_rows_if_any(acc, alpha):
+    """Kernel code: acc [64, D] f32 (WGMMA layout) times alpha [64] per row, skipped by a
+    warp (a branch on a warp vote) when all of its 16 rows have alpha == 1."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, scf, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def rescale(ctx, a, al):
+        del ctx
+        utils = mgpu.utils
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        regs = a.registers  # [1, D/8, 1, 1, 2, 1, 1, 1, 1] of vector<2xf32>
+        rows = [al.registers[0, 0, 0, 0, rh, 0, 0, 0, 0] for rh in range(2)]
+        one = arith.constant(f32, 1.0)
+        first = lambda v: vector.extract(v, dynamic_position=[],
+                                         static_position=ir.DenseI64ArrayAttr.get([0]))
+        ne = [arith.cmpf(arith.CmpFPredicate.UNE, first(r), one) for r in rows]
+        mine = arith.extui(i32, arith.ori(*ne))
+        any_w = utils.inline_ptx(
+            "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $1, 0;\n\t"
+            "vote.sync.any.pred p, p, 0xffffffff;\n\tselp.u32 $0, 1, 0, p;\n\t}",
+            mine, result_types=i32, convergent=True)
+        cond = arith.cmpi(arith.CmpIPredicate.ne, any_w, arith.constant(i32, 0))
+        idx = list(np.ndindex(regs.shape))
+        flat = [regs[i] for i in idx]
+        if_op = scf.IfOp(cond, [r.type for r in flat], has_else=True)
+        with ir.InsertionPoint(if_op.then_block):
+            scf.yield_([arith.mulf(r, rows[i[4]]) for r, i in zip(flat, idx)])
+        with ir.InsertionPoint(if_op.else_block):
+            scf.yield_(flat)
+        new = np.empty(regs.shape, object)
+        for i, r in zip(idx, if_op.results):
+            new[i] = r
+        return mgpu.FragmentedArray(_registers=new, _layout=a.layout, _is_signed=None)
+
+    return rescale(acc, lax.broadcast_in_dim(alpha, acc.shape, [0]))
 
 
 def _key_permutation(block_kv: int) -> np.ndarray:
@@ -505,7 +554,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
                         block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0,
-                        p_codes=0):
+                        p_codes=0, lazy_rescale=False, debug=()):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -579,6 +628,15 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         cycle). On the H200 the softmax shortens by ~25% but the kernel does not (its two
         warpgroups then wait longer on the tensor cores; BUILD_NOTES, GPU run 10);
         rel. err 0.008 instead of 0.007.
+      lazy_rescale: the running max moves only when a block's row max passes it by
+        more than :data:`_LAZY_RESCALE` (log2 units); otherwise alpha = 1 and P may reach
+        2^8.75 (< 448, the e4m3 maximum). A warp whose 16 rows all keep their max skips
+        the rescale of its output accumulator (:func:`_rescale_rows_if_any`), which after
+        the first few blocks is most of them (FlashAttention-4's conditional rescale).
+      debug: diagnostics for timing only, with wrong results: "no_v_transpose" (the
+        memory warpgroup hands out V^T stages unwritten) and "no_softmax" (P = the low
+        bytes of the logits' bits, three byte permutes per four elements, m and l kept):
+        what the kernel costs without that part (benchmarks/attention_profile.py).
       p_codes: 0, or P's e4m3 codes computed from the logits' float bits, without the
         MUFU ex2 and without the f32 -> e4m3 cvt (:func:`_p_codes_8bit_a`; the two are
         16-per-SM-and-cycle operations, 66 + 32 per thread and block); 2 adds the
@@ -826,55 +884,61 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc and l_i are rescaled by alpha here (their multiplies interleave
                     with the exponentials), or passed as None (overlap: acc is in flight)
                     and returned so. Releases the K stage (K and the bias) once the bias
-                    is read."""
+                    is read. lazy_rescale: m moves only when the block's row max passes it
+                    by more than _LAZY_RESCALE (else alpha = 1, P up to 2^8.75), and a
+                    warp whose rows all keep their m skips the rescale of acc."""
                     rs = lax.broadcast_in_dim(row_scale, s.shape, [0])
+                    if masked:  # x = logits with the bias, y = x + 8 - m_new
+                        b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                        plgpu.barrier_arrive(k_done.at[slot])
+                        x = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
+                        m_blk = x.max(axis=1)
+                    else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
+                        plgpu.barrier_arrive(k_done.at[slot])
+                        x = s
+                        m_blk = s.max(axis=1) * row_scale
+                    if lazy_rescale:
+                        moved = m_blk > m_i + _LAZY_RESCALE
+                        m_new = jnp.where(moved, jnp.maximum(m_i, m_blk), m_i)
+                    else:
+                        m_new = jnp.maximum(m_i, m_blk)
+
+                    def alpha_of():
+                        alpha = jnp.exp2(m_i - m_new)
+                        return jnp.where(moved, alpha, 1.0) if lazy_rescale else alpha
+
+                    if "no_softmax" in debug:  # timing only: P = garbage, no math
+                        one = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                                plgpu.Layout.WGMMA.reduce(1))
+                        p8 = _p_codes_8bit_a(s, ((lax.broadcast_in_dim(one, s.shape, [0]),) * 2,),
+                                             block_kv, raw=True)
+                        return lax.optimization_barrier((p8, m_i, one, None, acc, l_i))
                     if p_codes:  # P's e4m3 codes straight from x: y = x * xa + y_off
-                        if masked:
-                            b = plgpu.load(b_smem.at[slot],
-                                           layout=plgpu.Layout.WGMMA.reduce(0))
-                            plgpu.barrier_arrive(k_done.at[slot])
-                            s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
-                            m_new = jnp.maximum(m_i, s.max(axis=1))
-                            xa = plgpu.layout_cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32),
-                                                   plgpu.Layout.WGMMA.reduce(1))
-                        else:
-                            plgpu.barrier_arrive(k_done.at[slot])
-                            m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
-                            xa = row_scale
+                        xa = (plgpu.layout_cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32),
+                                                plgpu.Layout.WGMMA.reduce(1))
+                              if masked else row_scale)
                         coefs = tuple(
                             tuple(lax.broadcast_in_dim(c, s.shape, [0]) for c in pair)
                             for pair in p_code_coefficients(xa, _P_LOG2_SCALE - m_new,
                                                             p_codes == 2))
-                        p8 = _p_codes_8bit_a(s, coefs, block_kv)
-                        alpha = jnp.exp2(m_i - m_new)
-                        if acc is not None:
-                            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                            l_i = l_i * alpha
-                        return lax.optimization_barrier((p8, m_new, alpha, None, acc, l_i))
-                    # P = exp2(y), y = s - m_new + 8; bit_exp2: from u = y + magic
-                    off = _EXP2_MAGIC if bit_exp2 else 0.0
-                    if masked:
-                        b = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                        plgpu.barrier_arrive(k_done.at[slot])
-                        s = s * rs + lax.broadcast_in_dim(b, s.shape, [1])
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
-                        y = s + lax.broadcast_in_dim(_P_LOG2_SCALE + off - m_new, s.shape,
-                                                     [0])
-                    else:  # no bias: the row factor is > 0, so max(s * f) = f max(s)
-                        plgpu.barrier_arrive(k_done.at[slot])
-                        m_new = jnp.maximum(m_i, s.max(axis=1) * row_scale)
-                        y = s * rs + lax.broadcast_in_dim(_P_LOG2_SCALE + off - m_new,
-                                                          s.shape, [0])
-                    if bit_exp2:
-                        p = exp2_from_bits(jnp.maximum(y, _EXP2_MAGIC + _EXP2_FLOOR))
-                    else:
-                        p = jnp.exp2(y)
-                    alpha = jnp.exp2(m_i - m_new)
-                    psum = None if l_in_pv else p.sum(axis=1)
+                        p8 = _p_codes_8bit_a(x, coefs, block_kv)
+                        alpha, psum = alpha_of(), None
+                    else:  # P = exp2(y); bit_exp2: from u = y + magic
+                        off = _EXP2_MAGIC if bit_exp2 else 0.0
+                        y = (x if masked else x * rs) + lax.broadcast_in_dim(
+                            _P_LOG2_SCALE + off - m_new, s.shape, [0])
+                        if bit_exp2:
+                            p = exp2_from_bits(jnp.maximum(y, _EXP2_MAGIC + _EXP2_FLOOR))
+                        else:
+                            p = jnp.exp2(y)
+                        alpha = alpha_of()
+                        psum = None if l_in_pv else p.sum(axis=1)
                     if acc is not None:
-                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                        l_i = l_i * alpha if l_in_pv else l_i * alpha + psum
-                    p8 = to_8bit_a(p.astype(F8))
+                        acc = (_rescale_rows_if_any(acc, alpha) if lazy_rescale else
+                               acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
+                        l_i = l_i * alpha if psum is None else l_i * alpha + psum
+                    if not p_codes:
+                        p8 = to_8bit_a(p.astype(F8))
                     return lax.optimization_barrier((p8, m_new, alpha, psum, acc, l_i))
 
                 def softmax_block(s, m_i, slot, j, l_i=None, acc=None):
@@ -1181,7 +1245,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     plgpu.barrier_wait(v_done.at[slot])
 
                 with jax.named_scope("v_transpose"):
-                    _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
+                    if "no_v_transpose" not in debug:  # (timing only)
+                        _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
                 plgpu.commit_smem()  # generic-proxy stores -> visible to the wgmma
                 plgpu.barrier_arrive(v_bars.at[slot])
 
@@ -1293,7 +1358,8 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
                    fast_unmasked: bool = True, overlap: str = "",
                    bit_exp2: bool = False, q_in_kernel: bool = False,
-                   q_split: bool = True, p_codes: int = 0) -> dict:
+                   q_split: bool = True, p_codes: int = 0,
+                   lazy_rescale: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
@@ -1306,21 +1372,22 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
         overlap=overlap, bit_exp2=bit_exp2,
-        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes)
+        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes,
+        lazy_rescale=lazy_rescale)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
                                              "overlap", "bit_exp2", "q_in_kernel",
-                                             "p_codes"))
+                                             "p_codes", "lazy_rescale"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
                      overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
-                     p_codes: int = 0):
+                     p_codes: int = 0, lazy_rescale: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1334,6 +1401,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     kernel quantizes Q into its e4m3 part(s) itself (needs v_in_kernel; see
     ``_fp8_attention_call``), instead of XLA passes in this wrapper. p_codes: P's e4m3
     codes from the logits' bits instead of ex2 + cvt (1; 2 with the low-range line).
+    lazy_rescale: the output's rescale only when a row's max moves by > 0.75 (log2).
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -1349,7 +1417,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               fast_unmasked=fast_unmasked,
                                               overlap=overlap, bit_exp2=bit_exp2,
                                               q_in_kernel=q_in_kernel, q_split=q_split,
-                                              p_codes=p_codes))
+                                              p_codes=p_codes, lazy_rescale=lazy_rescale))
     if q_in_kernel and not v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:
