@@ -268,7 +268,8 @@ class _Variants(dict):
     the tensor core), '_fast' (no bias on unmasked blocks), '_ov' / '_oq' (overlap='pv' /
     'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
     kernel quantizes Q itself), '_pc' / '_pcl' (P's e4m3 codes from float bits, without /
-    with the low-range line; need '_lpv'), '_lz' (lazy_rescale); e.g.
+    with the low-range line; need '_lpv'), '_lz' (lazy_rescale), '_ob' (overlap='batch',
+    with the ping-pong unless '_np'); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -283,7 +284,7 @@ class _Variants(dict):
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
         unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",
-                                "pc", "pcl", "lz"}
+                                "pc", "pcl", "lz", "ob"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -291,7 +292,8 @@ class _Variants(dict):
                     persistent="grid" not in flags,
                     pingpong=not {"np", "ov", "oq"} & set(flags), l_in_pv="lpv" in flags,
                     fast_unmasked="fast" in flags,
-                    overlap="pv" if "ov" in flags else "qk" if "oq" in flags else "",
+                    overlap=("pv" if "ov" in flags else "qk" if "oq" in flags else
+                             "batch" if "ob" in flags else ""),
                     bit_exp2="bx" in flags, q_in_kernel="qik" in flags,
                     p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0,
                     lazy_rescale="lz" in flags)

@@ -679,15 +679,15 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("l_in_pv needs v_in_kernel=True")
     if fast_unmasked and block_masked is None:
         raise ValueError("fast_unmasked needs block_masked [nb] int32")
-    if overlap not in ("", "pv", "qk"):
-        raise ValueError(f"overlap must be '', 'pv' or 'qk', got {overlap!r}")
+    if overlap not in ("", "pv", "qk", "batch"):
+        raise ValueError(f"overlap must be '', 'pv', 'qk' or 'batch', got {overlap!r}")
     if p_codes not in (0, 1, 2) or (p_codes and (bit_exp2 or not l_in_pv)):
         raise ValueError("p_codes (1, or 2 with the low-range line) replaces bit_exp2 and "
                          "needs l_in_pv=True (the row sums of the e4m3 P)")
     if overlap == "pv" and l_in_pv:
         raise ValueError("overlap='pv' lets one wgmma read P: pass l_in_pv=False")
-    if overlap and pingpong:
-        raise ValueError("overlap replaces the ping-pong: pass pingpong=False")
+    if overlap in ("pv", "qk") and pingpong:
+        raise ValueError("overlap 'pv' / 'qk' replace the ping-pong: pass pingpong=False")
     p_in_smem = overlap == "qk"  # P's buffers alias the output staging buffer
     if p_in_smem and not (jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
         raise ValueError("overlap='qk' needs a 16-bit output and block_kv == 128")
@@ -941,10 +941,16 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         p8 = to_8bit_a(p.astype(F8))
                     return lax.optimization_barrier((p8, m_new, alpha, psum, acc, l_i))
 
-                def softmax_block(s, m_i, slot, j, l_i=None, acc=None):
+                def mask_flag(j):
+                    """Block j's masked flag (fast_unmasked), a GMEM load: read it before
+                    the wgmma wait that precedes its use, so that its latency hides."""
+                    return mask_ref[j] if fast_unmasked else None
+
+                def softmax_block(s, m_i, slot, j, l_i=None, acc=None, flag=None):
                     with jax.named_scope("softmax"):
                         if fast_unmasked:
-                            return lax.cond(mask_ref[j] != 0,
+                            flag = mask_flag(j) if flag is None else flag
+                            return lax.cond(flag != 0,
                                             functools.partial(softmax, masked=True),
                                             functools.partial(softmax, masked=False),
                                             s, m_i, l_i, acc, slot)
@@ -960,8 +966,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc, m_i, l_i = carry
                     step = t * nb + j - u0  # this CTA's pipeline step
                     slot = lax.rem(step, stages)
+                    flag = mask_flag(j)
                     s = waited_qk(slot, step)
-                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc)
+                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc, flag)
                     with jax.named_scope("sync"):
                         if pingpong:
                             plgpu.barrier_arrive(sched)
@@ -986,6 +993,56 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if l_in_pv:  # all 8 columns hold the row sums
                         l_i = l_i + sums.max(axis=1)
                     return acc, m_new, l_i
+
+                def fresh_acc(n):
+                    return plgpu.ACC.init(plgpu.layout_cast(
+                        jnp.full((BLOCK_Q, n), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+
+                def batched_step(j, carry, has_next):
+                    """overlap='batch': the softmax of block j, then one wgmma batch: P.V of
+                    block j (and its row sums) and, with has_next, Q.K^T of block j + 1,
+                    waited for together: no wgmma is in flight during a softmax. With the
+                    ping-pong the schedule barrier follows the batch's issue, so the two
+                    warpgroups' batches alternate on the tensor cores and each softmax
+                    runs under the other warpgroup's batch (FlashAttention-3's
+                    inter-warpgroup schedule). carry: (S_j, acc, m, l, block j's mask
+                    flag) -> the same for j + 1 (S None without has_next)."""
+                    s, acc, m_i, l_i, flag = carry
+                    step = t * nb + j - u0
+                    slot = lax.rem(step, stages)
+                    p8, m_new, _, _, acc, l_i = softmax_block(s, m_i, slot, j, l_i, acc, flag)
+                    flag_n = mask_flag(jnp.minimum(j + 1, nb - 1)) if has_next else None
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(v_bars.at[slot])
+
+                    def body(refs):
+                        acc_ref, sums_ref, s_ref = refs
+                        issue_pv(acc_ref, sums_ref, p8, slot)
+                        if has_next:
+                            plgpu.barrier_wait(k_bars.at[lax.rem(step + 1, stages)])
+                            issue_qk(s_ref, lax.rem(step + 1, stages))
+                        schedule_barrier()
+
+                    with jax.named_scope("pv"):
+                        acc, sums, s_next = pl.run_state(body)(
+                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None,
+                             fresh_acc(block_kv) if has_next else None))
+                    plgpu.barrier_arrive(v_done.at[slot])
+                    if has_next:
+                        maybe_signal(step + 1)
+                    if l_in_pv:  # all 8 columns hold the row sums
+                        l_i = l_i + sums.max(axis=1)
+                    return s_next, acc, m_new, l_i, flag_n
+
+                def first_s():
+                    """overlap='batch': Q.K^T of the segment's first block, its K waited
+                    for here, and that block's mask flag."""
+                    step = t * nb + jb - u0
+                    slot = lax.rem(step, stages)
+                    flag = mask_flag(jb)
+                    with jax.named_scope("sync"):
+                        plgpu.barrier_wait(k_bars.at[slot])
+                    return waited_qk(slot, step), flag
 
                 def store_p(p8, step):
                     """overlap='qk': P of pipeline step ``step`` into SMEM buffer step % 2
@@ -1135,6 +1192,12 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     acc, m_i, l_i = pv_pipelined_step(je - 1, carry, has_next=False)
                 elif overlap == "qk":
                     acc, m_i, l_i = qk_pipelined_segment(m_i, l_i)
+                elif overlap == "batch":
+                    s0, flag0 = first_s()
+                    carry = lax.fori_loop(jb, je - 1,
+                                          functools.partial(batched_step, has_next=True),
+                                          (s0, acc, m_i, l_i, flag0))
+                    _, acc, m_i, l_i, _ = batched_step(je - 1, carry, has_next=False)
                 else:
                     acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
 

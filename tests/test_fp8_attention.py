@@ -321,7 +321,8 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, False, 2, False, "qk"), (True, True, 2, True, "q_in_kernel"),
     (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv"),
     (True, True, 2, True, "p_codes1"), (True, True, 2, False, "p_codes2"),
-    (True, True, 2, True, "lazy")])
+    (True, True, 2, True, "lazy"), (True, True, 2, True, "batch"),
+    (True, True, 2, False, "batch")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -334,10 +335,11 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
         lowered = fa.attention_pallas.trace(
             q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
             stages=stages, persistent=persistent, num_sms=132,
-            overlap=overlap if overlap in ("qk", "pv") else "", l_in_pv=overlap != "pv",
+            overlap=overlap if overlap in ("qk", "pv", "batch") else "",
+            l_in_pv=overlap != "pv", pingpong=overlap == "batch",
             q_in_kernel=overlap == "q_in_kernel",
             p_codes=int(overlap[-1]) if overlap.startswith("p_codes") else
-            int(overlap == "lazy"), lazy_rescale=overlap == "lazy").lower(
+            int(overlap in ("lazy", "batch")), lazy_rescale=overlap == "lazy").lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
@@ -433,7 +435,10 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(p_codes=1), dict(p_codes=2), dict(p_codes=2, fast_unmasked=False, persistent=False),
     dict(p_codes=2, pingpong=True), dict(p_codes=2, overlap="qk"), dict(lazy_rescale=True),
     dict(p_codes=1, lazy_rescale=True),
-    dict(p_codes=1, lazy_rescale=True, fast_unmasked=False, persistent=False)], ids=_opt_id)
+    dict(p_codes=1, lazy_rescale=True, fast_unmasked=False, persistent=False),
+    dict(overlap="batch", pingpong=True), dict(overlap="batch", pingpong=True, p_codes=1),
+    dict(overlap="batch", pingpong=True, p_codes=1, fast_unmasked=False, persistent=False),
+    dict(overlap="batch", pingpong=True, p_codes=1, lazy_rescale=True)], ids=_opt_id)
 @pytest.mark.parametrize("tq,s,h,masked_prefix,ring_filled", [
     (757, 5788, 4, 200, None), (200, 700, 3, 0, 300), (100, 300, 1, 100, 20)])
 def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
@@ -458,6 +463,7 @@ def test_kernel_softmax_options(opts, tq, s, h, masked_prefix, ring_filled):
 _BX, _OQ, _OV = dict(bit_exp2=True), dict(overlap="qk"), dict(overlap="pv", l_in_pv=False)
 _PC1, _PC2 = dict(p_codes=1), dict(p_codes=2)
 _LZ, _PC1_LZ = dict(lazy_rescale=True), dict(p_codes=1, lazy_rescale=True)
+_OB = dict(overlap="batch", pingpong=True, p_codes=1)
 
 
 @pytest.mark.gpu
@@ -466,7 +472,7 @@ _LZ, _PC1_LZ = dict(lazy_rescale=True), dict(p_codes=1, lazy_rescale=True)
     (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ), (18, None, _OV),
     (3, 132, _OV), (2, 20, _OV), (18, None, _PC1), (18, None, _PC2), (36, None, _PC2),
     (3, 132, _PC2), (2, 20, _PC2), (18, None, _LZ), (18, None, _PC1_LZ), (3, 132, _PC1_LZ),
-    (2, 20, _PC1_LZ)], ids=_opt_id)
+    (2, 20, _PC1_LZ), (18, None, _OB), (36, None, _OB), (3, 132, _OB), (2, 20, _OB)], ids=_opt_id)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -517,7 +523,7 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
-                                  _PC1, _PC2, _PC1_LZ], ids=_opt_id)
+                                  _PC1, _PC2, _PC1_LZ, _OB], ids=_opt_id)
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
@@ -538,7 +544,8 @@ def test_kernel_masked_slots_have_no_influence(opts):
                                     (2000, dict(num_sms=4, overlap="qk")),
                                     (2000, dict(num_sms=4, **_OV)), (300, _PC2),
                                     (2000, dict(num_sms=4, **_PC1)),
-                                    (2000, dict(num_sms=4, **_PC1_LZ))], ids=_opt_id)
+                                    (2000, dict(num_sms=4, **_PC1_LZ)),
+                                    (2000, dict(num_sms=4, **_OB)), (300, _OB)], ids=_opt_id)
 def test_kernel_fully_masked_no_nan(s, opts):
     """No valid slot: zeros, no NaN (also with stream-K partials over masked blocks only,
     and with bit_exp2, where masked slots give P = 0 and the row sums are 0)."""
