@@ -936,7 +936,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if acc is not None:
                         acc = (_rescale_rows_if_any(acc, alpha) if lazy_rescale else
                                acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
-                        l_i = l_i * alpha if psum is None else l_i * alpha + psum
+                        if l_i.ndim == 2:  # [64, 8] row sums (see sum_rows)
+                            l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [0])
+                        else:
+                            l_i = l_i * alpha if psum is None else l_i * alpha + psum
                     if not p_codes:
                         p8 = to_8bit_a(p.astype(F8))
                     return lax.optimization_barrier((p8, m_new, alpha, psum, acc, l_i))
@@ -990,9 +993,22 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             if l_in_pv else None)
                         acc, sums = pl.run_state(pv)((plgpu.ACC.init(acc), sums0))
                     plgpu.barrier_arrive(v_done.at[slot])
-                    if l_in_pv:  # all 8 columns hold the row sums
-                        l_i = l_i + sums.max(axis=1)
+                    if l_in_pv:
+                        l_i = sum_rows(l_i, sums)
                     return acc, m_new, l_i
+
+                def sum_rows(l_i, sums):
+                    """l + this block's row sums. Every column of the [64, 8] row-sum
+                    accumulator holds the row's sum, so a [64, 8] l (l8_carry) adds them
+                    in place: no cross-thread reduction (two shuffle rounds) per block."""
+                    return l_i + sums if l_i.ndim == 2 else l_i + sums.max(axis=1)
+
+                # With the tensor core's row sums the default and 'batch' loops carry l as
+                # [64, 8] (all columns equal) and reduce it once, after the segment.
+                l8_carry = l_in_pv and overlap in ("", "batch")
+                if l8_carry:
+                    l_i = plgpu.layout_cast(jnp.full((BLOCK_Q, 8), 0.0, jnp.float32),
+                                            plgpu.Layout.WGMMA)
 
                 def fresh_acc(n):
                     return plgpu.ACC.init(plgpu.layout_cast(
@@ -1030,8 +1046,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     plgpu.barrier_arrive(v_done.at[slot])
                     if has_next:
                         maybe_signal(step + 1)
-                    if l_in_pv:  # all 8 columns hold the row sums
-                        l_i = l_i + sums.max(axis=1)
+                    if l_in_pv:
+                        l_i = sum_rows(l_i, sums)
                     return s_next, acc, m_new, l_i, flag_n
 
                 def first_s():
@@ -1200,6 +1216,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     _, acc, m_i, l_i, _ = batched_step(je - 1, carry, has_next=False)
                 else:
                     acc, m_i, l_i = lax.fori_loop(jb, je, kv_step, (acc, m_i, l_i))
+                if l8_carry:
+                    l_i = l_i.max(axis=1)
 
                 @jax.named_scope("store")
                 def store_output(acc, l_i):

@@ -476,8 +476,8 @@ _OB = dict(overlap="batch", pingpong=True, p_codes=1)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
-    one-tile-per-CTA grid and the float32 reference; every row written (NaN-filled
-    memory reused first)."""
+    one-tile-per-CTA grid with the same softmax options and the float32 reference; every
+    row written (NaN-filled memory reused first)."""
     _require_hopper()
     tq, s, d = 757, 5788, 128
     q, k, v, ks, vs = _inputs(jax.random.key(h), tq, s, h, d)
@@ -485,8 +485,8 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
     sk = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, num_sms=num_sms, **opts),
                     np.float32)
-    grid = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, persistent=False),
-                      np.float32)
+    grid = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid,
+                                          **{**opts, "persistent": False}), np.float32)
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     assert np.isfinite(sk).all()
     err, err_grid, diff = _rel(sk, ref), _rel(grid, ref), _rel(sk, grid)
