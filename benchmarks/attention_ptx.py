@@ -10,6 +10,14 @@ stage show up between an mma_async and the next wait_group.
 
   python3 benchmarks/attention_ptx.py --variant kv_split_s2_lpv_fast_oq --out $OUT/ptx
   python3 benchmarks/attention_ptx.py --source 5a249ec --variant-kw overlap=pv --out $OUT/ptx
+  python3 benchmarks/attention_ptx.py --sass out/ptx/fp8_attention_0.ptx   # any machine
+
+--sass takes a PTX file that a GPU run dumped (or a cuobjdump -sass listing) and prints
+the SASS as the same kind of timeline (QGMMA, warpgroup arrive / wait, mbarrier waits,
+each with its address, and the instructions between them counted by opcode): ptxas
+(-arch=sm_90a) and cuobjdump need no GPU, so the machine code of a kernel variant can be
+read without device time (cuobjdump: on PATH, or --cuobjdump; PyPI's
+nvidia-cuda-cuobjdump wheel carries one).
 
 --source REV loads ``pallas_kernels/fp8_attention.py`` as of git revision REV (e.g. a kernel
 option since removed) instead of the working tree's. Writes the dumps and timeline.txt
@@ -32,6 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TQ, S, D, BLOCK_KV = 757, 5788, 128, 128
 _WGMMA = re.compile(r"\bwgmma\.(fence|mma_async|commit_group|wait_group)\S*(?:\s+(\d+))?")
 _OPCODE = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w.]*)")
+# SASS: '/*2760*/  @P0 QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR56], RZ, !UPT ;'
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*?);")
+_SASS_EVENT = (("QGMMA", "mma"), ("HGMMA", "mma"), ("WARPGROUP.ARRIVE", "fence"),
+               ("WARPGROUP.DEPBAR", "wait"), ("SYNCS.PHASECHK", "mbarrier_wait"))
 
 
 def timeline(ptx: str) -> list[str]:
@@ -74,6 +86,61 @@ def timeline(ptx: str) -> list[str]:
     flush_event()
     flush_others()
     return out
+
+
+def sass_timeline(sass: str) -> list[str]:
+    """The timeline of a cuobjdump -sass listing: one line per run of consecutive events
+    ('0x2760 mma 64x128x32 x8', '0x28e0 wait gsb0 0', fence, mbarrier_wait), each with the
+    address of its first instruction, and between them the other instructions counted by
+    opcode (predicates stripped)."""
+    out: list[str] = []
+    others: collections.Counter = collections.Counter()
+    last, repeat, addr = None, 0, ""
+
+    def flush():
+        nonlocal last, repeat
+        if last is not None:
+            out.append(f"0x{addr} {last}" + (f" x{repeat}" if repeat > 1 else ""))
+        last, repeat = None, 0
+        if others:
+            out.append("    " + ", ".join(f"{n} {op}" for op, n in others.most_common()))
+            others.clear()
+
+    for line in sass.splitlines():
+        m = _SASS_LINE.match(line)
+        if not m:
+            continue
+        a, op, rest = m.groups()
+        kind = next((k for prefix, k in _SASS_EVENT if op.startswith(prefix)), None)
+        if kind is None:
+            if last is not None:
+                out.append(f"0x{addr} {last}" + (f" x{repeat}" if repeat > 1 else ""))
+                last, repeat = None, 0
+            others[op] += 1
+            continue
+        if kind == "mma":
+            kind = f"mma {op.split('.')[1]}"
+        elif kind == "wait":
+            kind = "wait " + rest.strip().replace(",", "").replace("  ", " ")
+        if kind != last or others:
+            flush()
+            addr = a
+        last, repeat = kind, repeat + 1
+    flush()
+    return out
+
+
+def sass_of(path: str, cuobjdump: str = "cuobjdump") -> str:
+    """SASS text of a PTX file (ptxas -arch=sm_90a, then cuobjdump -sass) or of a saved
+    listing (any other suffix)."""
+    if not path.endswith(".ptx"):
+        return open(path).read()
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        subprocess.run(["ptxas", "-arch=sm_90a", path, "-o", cubin], check=True)
+        return subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True,
+                              text=True).stdout
 
 
 def load_attention_module(source: str | None):
@@ -128,9 +195,16 @@ def main() -> int:
     ap.add_argument("--source", default=None, help="git revision of fp8_attention.py")
     ap.add_argument("--heads", type=int, default=18)
     ap.add_argument("--parse", default=None, help="only print the timeline of this PTX file")
+    ap.add_argument("--sass", default=None,
+                    help="print the SASS timeline of this PTX file (ptxas + cuobjdump, no "
+                         "GPU needed) or cuobjdump -sass listing")
+    ap.add_argument("--cuobjdump", default="cuobjdump")
     args = ap.parse_args()
     if args.parse:
         print("\n".join(timeline(open(args.parse).read())))
+        return 0
+    if args.sass:
+        print("\n".join(sass_timeline(sass_of(args.sass, args.cuobjdump))))
         return 0
     # Read by Mosaic GPU when it compiles (set before jax is imported, to be safe).
     os.environ.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1",
