@@ -269,7 +269,7 @@ class _Variants(dict):
     'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
     kernel quantizes Q itself), '_pc' / '_pcl' (P's e4m3 codes from float bits, without /
     with the low-range line; need '_lpv'), '_lz' (lazy_rescale), '_ob' (overlap='batch',
-    with the ping-pong unless '_np'); e.g.
+    with the ping-pong unless '_np'), '_vw' (the wide V transpose); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -280,11 +280,11 @@ class _Variants(dict):
                                                 "persistent", "pingpong", "l_in_pv",
                                                 "fast_unmasked", "overlap", "bit_exp2",
                                                 "q_in_kernel", "p_codes",
-                                                "lazy_rescale")}
+                                                "lazy_rescale", "wide_v_transpose")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
         unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",
-                                "pc", "pcl", "lz", "ob"}
+                                "pc", "pcl", "lz", "ob", "vw"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -296,7 +296,7 @@ class _Variants(dict):
                              "batch" if "ob" in flags else ""),
                     bit_exp2="bx" in flags, q_in_kernel="qik" in flags,
                     p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0,
-                    lazy_rescale="lz" in flags)
+                    lazy_rescale="lz" in flags, wide_v_transpose="vw" in flags)
 
 
 def attn_kernel_us(breakdown):

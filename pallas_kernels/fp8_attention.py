@@ -339,25 +339,99 @@ def _key_permutation(block_kv: int) -> np.ndarray:
     return idx.transpose(0, 2, 1, 3).reshape(-1)
 
 
-def _transpose_v_block(raw_ref, vt_ref):
+class _IntOps:
+    """Integer arithmetic on Python ints (the CPU emulation's side of the V transpose's
+    address plans; the kernel passes :class:`_MlirOps`)."""
+    add = staticmethod(operator.add)
+    mul = staticmethod(operator.mul)
+    xor = staticmethod(operator.xor)
+    and_ = staticmethod(operator.and_)
+    or_ = staticmethod(operator.or_)
+    shr = staticmethod(operator.rshift)
+
+
+class _MlirOps:
+    """The same operations as :class:`_IntOps` on i32 MLIR values (ints become constants)."""
+
+    def __init__(self):
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith
+        i32 = ir.IntegerType.get_signless(32)
+        lift = lambda x: arith.constant(i32, x) if isinstance(x, int) else x
+        for name, op in (("add", arith.addi), ("mul", arith.muli), ("xor", arith.xori),
+                         ("and_", arith.andi), ("or_", arith.ori), ("shr", arith.shrui)):
+            setattr(self, name, lambda a, b, op=op: op(lift(a), lift(b)))
+
+
+def _transpose_4x4(prmt, r0, r1, r2, r3):
+    """Four 32-bit words (rows) -> their byte transpose: out[j] = (r0.b_j, r1.b_j, r2.b_j,
+    r3.b_j), 8 prmt (prmt(a, b, sel): any function on ints or MLIR values)."""
+    t01l, t01h = prmt(r0, r1, 0x5140), prmt(r0, r1, 0x7362)
+    t23l, t23h = prmt(r2, r3, 0x5140), prmt(r2, r3, 0x7362)
+    return (prmt(t01l, t23l, 0x5410), prmt(t01l, t23l, 0x7632),
+            prmt(t01h, t23h, 0x5410), prmt(t01h, t23h, 0x7632))
+
+
+def _word_transpose_plan(o, warp, lane, it):
+    """The word transpose's byte offsets for thread (warp, lane) in iteration it < 8:
+    four 32-bit loads (keys 16g + 2t + {0, 1, 8, 9} at d = 4 lane..4 lane + 3 of the raw
+    [key, d] block) and the four stores of their transpose (d = 4 lane + j, columns
+    4t..4t + 3 of group g, 128-byte swizzle), wk = lane ^ (8 warp + it), g = wk // 4,
+    t = wk % 4. Returns (loads [4], stores [[4]])."""
+    wk = o.xor(lane, o.add(o.mul(warp, 8), it))
+    g, t = o.shr(wk, 2), o.and_(wk, 3)
+    key0 = o.add(o.mul(g, 16), o.mul(t, 2))
+    lane4 = o.mul(lane, 4)
+    loads = [o.add(o.mul(o.add(key0, dk), 128), lane4) for dk in (0, 1, 8, 9)]
+    stores = []
+    for j in range(4):
+        dd = o.add(lane4, j)
+        chunk = o.xor(g, o.and_(dd, 7))
+        stores.append(o.add(o.add(o.mul(dd, 128), o.mul(chunk, 16)), o.mul(t, 4)))
+    return loads, [stores]
+
+
+def _wide_transpose_plan(o, warp, lane, it):
+    """The wide transpose's byte offsets for thread (warp, lane) in iteration it < 2: four
+    16-byte loads (keys 16g + 2t + {0, 1, 8, 9}, d = d0..d0 + 15) and the 16 stores of
+    their transpose (d = d0 + 4m + b, columns 4t..4t + 3 of group g), with g = lane % 8,
+    t = lane // 8, d0 = 16 ((g + 2 warp + it) % 8). Each quarter warp's loads hit 8
+    distinct 16-byte bank groups (distinct d0) and each warp-wide store 32 distinct banks
+    (the swizzle XOR of distinct g by one d % 8, times 4 t). The 128-byte swizzle only
+    flips bits 4-6 of the address, which hold g: store = ((d0*128 + 4t) | 16g) ^ 16 (d %
+    8) + 128 (4m + b). Returns (loads [4], stores [4][4] by m, b)."""
+    g, t = o.and_(lane, 7), o.shr(lane, 3)
+    d0 = o.mul(o.and_(o.add(g, o.add(o.mul(warp, 2), it)), 7), 16)
+    key0 = o.add(o.mul(g, 16), o.mul(t, 2))
+    load0 = o.add(o.mul(key0, 128), d0)
+    loads = [o.add(load0, dk * 128) for dk in (0, 1, 8, 9)]
+    base = o.or_(o.add(o.mul(d0, 128), o.mul(t, 4)), o.mul(g, 16))
+    stores = [[o.add(o.xor(base, 16 * ((4 * m + b) % 8)), 128 * (4 * m + b))
+               for b in range(4)] for m in range(4)]
+    return loads, stores
+
+
+def _transpose_v_block(raw_ref, vt_ref, wide: bool = False):
     """Memory-warpgroup code: V^T[slot] <- key-permuted transpose of a staged V block.
 
     raw_ref: [bkv=128, D=128] e4m3, plain (as TMA wrote it: row = key, 128 bytes).
     vt_ref: [D, bkv] e4m3, the plain alias of the wgmma's V^T buffer, whose bytes follow
     the 128-byte swizzle: byte (d, c) sits at d*128 + ((c // 16) ^ (d % 8))*16 + c % 16.
     Column c = 4t + 2h + v of a 16-key group g holds key 16g + 8h + 2t + v
-    (:func:`_key_permutation`), so each thread's 32-bit store word (columns 4t..4t+3)
-    gathers keys 16g + (2t, 2t+1, 2t+8, 2t+9).
+    (:func:`_key_permutation`), so each 32-bit store word (columns 4t..4t+3) gathers keys
+    16g + (2t, 2t+1, 2t+8, 2t+9).
 
-    Thread (warp w, lane l) owns d = 4l..4l+3 and, in iteration i < 8, the store word
-    wk = l ^ (8w + i) (g = wk // 4, t = wk % 4): four 32-bit loads (one per key, bank l:
-    conflict-free), a 4x4 byte transpose with 8 prmt, four 32-bit stores (bank
-    ((g ^ (d % 8)), t): a bijection of l for each store, conflict-free).
+    wide=False (:func:`_word_transpose_plan`): 8 iterations of four 32-bit loads, a 4x4
+    byte transpose (8 prmt) and four 32-bit stores, bank-conflict-free (~34 instructions
+    an iteration in SASS, 18 of them address arithmetic). wide=True
+    (:func:`_wide_transpose_plan`): 2 iterations of four 16-byte loads, four 4x4
+    transposes and 16 stores, the store addresses one XOR each: about half the
+    instructions, also bank-conflict-free.
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def tr(ctx, raw, vt):
@@ -371,34 +445,30 @@ def _transpose_v_block(raw_ref, vt_ref):
         warp = arith.andi(arith.shrui(tid, c(5)), c(3))
         raw_p = utils.memref_ptr(raw)
         vt_p = utils.memref_ptr(vt)
-        lane4 = arith.muli(lane, c(4))
+        ops = _MlirOps()
 
         def prmt(a, b, sel):
             return utils.inline_ptx("prmt.b32 $0, $1, $2, $3;", a, b, c(sel),
                                     result_types=i32)
 
         # A loop, not unrolled: this runs in the memory warpgroup under 40 registers.
-        @utils.fori(c(8), ())
+        @utils.fori(c(2 if wide else 8), ())
         def _(it, carry):
-            wk = arith.xori(lane, arith.addi(arith.muli(warp, c(8)), it))
-            g = arith.shrui(wk, c(2))
-            t = arith.andi(wk, c(3))
-            key0 = arith.addi(arith.muli(g, c(16)), arith.muli(t, c(2)))
-            regs = []
-            for dk in (0, 1, 8, 9):
-                off = arith.addi(arith.muli(arith.addi(key0, c(dk)), c(128)), lane4)
-                regs.append(llvm.load(i32, utils.getelementptr(raw_p, [off], i8)))
-            r0, r1, r2, r3 = regs
-            t01l, t01h = prmt(r0, r1, 0x5140), prmt(r0, r1, 0x7362)
-            t23l, t23h = prmt(r2, r3, 0x5140), prmt(r2, r3, 0x7362)
-            outs = (prmt(t01l, t23l, 0x5410), prmt(t01l, t23l, 0x7632),
-                    prmt(t01h, t23h, 0x5410), prmt(t01h, t23h, 0x7632))
-            for j, o in enumerate(outs):
-                dd = arith.addi(lane4, c(j))
-                chunk = arith.xori(g, arith.andi(dd, c(7)))
-                off = arith.addi(arith.addi(arith.muli(dd, c(128)), arith.muli(chunk, c(16))),
-                                 arith.muli(t, c(4)))
-                llvm.store(o, utils.getelementptr(vt_p, [off], i8))
+            plan = _wide_transpose_plan if wide else _word_transpose_plan
+            loads, stores = plan(ops, warp, lane, it)
+            if wide:
+                v4 = ir.VectorType.get((4,), i32)
+                rows = [llvm.load(v4, utils.getelementptr(raw_p, [off], i8), alignment=16)
+                        for off in loads]
+                words = [[vector.extract(r, dynamic_position=[],
+                                         static_position=ir.DenseI64ArrayAttr.get([m]))
+                          for r in rows] for m in range(4)]
+            else:
+                words = [[llvm.load(i32, utils.getelementptr(raw_p, [off], i8))
+                          for off in loads]]
+            for quad, offs in zip(words, stores):
+                for o_, off in zip(_transpose_4x4(prmt, *quad), offs):
+                    llvm.store(o_, utils.getelementptr(vt_p, [off], i8))
             return carry
 
     tr(raw_ref, vt_ref)
@@ -559,7 +629,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
                         block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0,
-                        p_codes=0, lazy_rescale=False, debug=()):
+                        p_codes=0, lazy_rescale=False, wide_v_transpose=False, debug=()):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -638,6 +708,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         2^8.75 (< 448, the e4m3 maximum). A warp whose 16 rows all keep their max skips
         the rescale of its output accumulator (:func:`_rescale_rows_if_any`), which after
         the first few blocks is most of them (FlashAttention-4's conditional rescale).
+      wide_v_transpose: the memory warpgroup transposes V with 16-byte shared loads
+        (:func:`_wide_transpose_plan`: about half the instructions of the 32-bit word
+        transpose, which takes ~1.36 k cycles per block and shares the sub-partitions'
+        issue with the softmax; without it the kernel is 5% faster, BUILD_NOTES run 15).
+        Not yet run on a GPU.
       debug: diagnostics for timing only, with wrong results: "no_v_transpose" (the
         memory warpgroup hands out V^T stages unwritten) and "no_softmax" (P = the low
         bytes of the logits' bits, three byte permutes per four elements, m and l kept):
@@ -1332,7 +1407,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
                 with jax.named_scope("v_transpose"):
                     if "no_v_transpose" not in debug:  # (timing only)
-                        _transpose_v_block(v_raw.at[slot], vt_plain.at[slot])
+                        _transpose_v_block(v_raw.at[slot], vt_plain.at[slot],
+                                           wide=wide_v_transpose)
                 plgpu.commit_smem()  # generic-proxy stores -> visible to the wgmma
                 plgpu.barrier_arrive(v_bars.at[slot])
 
@@ -1445,7 +1521,7 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    fast_unmasked: bool = True, overlap: str = "",
                    bit_exp2: bool = False, q_in_kernel: bool = False,
                    q_split: bool = True, p_codes: int = 0,
-                   lazy_rescale: bool = False) -> dict:
+                   lazy_rescale: bool = False, wide_v_transpose: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
@@ -1459,21 +1535,23 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
         overlap=overlap, bit_exp2=bit_exp2,
         q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes,
-        lazy_rescale=lazy_rescale)
+        lazy_rescale=lazy_rescale, wide_v_transpose=wide_v_transpose and v_in_kernel)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
                                              "v_in_kernel", "persistent", "num_sms",
                                              "pingpong", "l_in_pv", "fast_unmasked",
                                              "overlap", "bit_exp2", "q_in_kernel",
-                                             "p_codes", "lazy_rescale"))
+                                             "p_codes", "lazy_rescale",
+                                             "wide_v_transpose"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
                      overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
-                     p_codes: int = 0, lazy_rescale: bool = False):
+                     p_codes: int = 0, lazy_rescale: bool = False,
+                     wide_v_transpose: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1488,6 +1566,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     ``_fp8_attention_call``), instead of XLA passes in this wrapper. p_codes: P's e4m3
     codes from the logits' bits instead of ex2 + cvt (1; 2 with the low-range line).
     lazy_rescale: the output's rescale only when a row's max moves by > 0.75 (log2).
+    wide_v_transpose: the in-kernel V transpose with 16-byte shared loads.
     """
     tq, h, d = q.shape
     if k.dtype != F8 or v.dtype != F8:
@@ -1503,7 +1582,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               fast_unmasked=fast_unmasked,
                                               overlap=overlap, bit_exp2=bit_exp2,
                                               q_in_kernel=q_in_kernel, q_split=q_split,
-                                              p_codes=p_codes, lazy_rescale=lazy_rescale))
+                                              p_codes=p_codes, lazy_rescale=lazy_rescale,
+                                              wide_v_transpose=wide_v_transpose))
     if q_in_kernel and not v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:

@@ -322,7 +322,7 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv"),
     (True, True, 2, True, "p_codes1"), (True, True, 2, False, "p_codes2"),
     (True, True, 2, True, "lazy"), (True, True, 2, True, "batch"),
-    (True, True, 2, False, "batch")])
+    (True, True, 2, False, "batch"), (True, True, 2, True, "wide_v")])
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
@@ -339,7 +339,8 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
             l_in_pv=overlap != "pv", pingpong=overlap == "batch",
             q_in_kernel=overlap == "q_in_kernel",
             p_codes=int(overlap[-1]) if overlap.startswith("p_codes") else
-            int(overlap in ("lazy", "batch")), lazy_rescale=overlap == "lazy").lower(
+            int(overlap in ("lazy", "batch")), lazy_rescale=overlap == "lazy",
+            wide_v_transpose=overlap == "wide_v").lower(
                 lowering_platforms=("cuda",))
     except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
         pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
@@ -464,6 +465,7 @@ _BX, _OQ, _OV = dict(bit_exp2=True), dict(overlap="qk"), dict(overlap="pv", l_in
 _PC1, _PC2 = dict(p_codes=1), dict(p_codes=2)
 _LZ, _PC1_LZ = dict(lazy_rescale=True), dict(p_codes=1, lazy_rescale=True)
 _OB = dict(overlap="batch", pingpong=True, p_codes=1)
+_VW = dict(wide_v_transpose=True)
 
 
 @pytest.mark.gpu
@@ -472,7 +474,8 @@ _OB = dict(overlap="batch", pingpong=True, p_codes=1)
     (18, None, _OQ), (36, None, _OQ), (3, 132, _OQ), (2, 20, _OQ), (18, None, _OV),
     (3, 132, _OV), (2, 20, _OV), (18, None, _PC1), (18, None, _PC2), (36, None, _PC2),
     (3, 132, _PC2), (2, 20, _PC2), (18, None, _LZ), (18, None, _PC1_LZ), (3, 132, _PC1_LZ),
-    (2, 20, _PC1_LZ), (18, None, _OB), (36, None, _OB), (3, 132, _OB), (2, 20, _OB)], ids=_opt_id)
+    (2, 20, _PC1_LZ), (18, None, _OB), (36, None, _OB), (3, 132, _OB), (2, 20, _OB),
+    (18, None, _VW), (2, 20, _VW)], ids=_opt_id)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -523,7 +526,7 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
-                                  _PC1, _PC2, _PC1_LZ, _OB], ids=_opt_id)
+                                  _PC1, _PC2, _PC1_LZ, _OB, _VW], ids=_opt_id)
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
@@ -607,40 +610,44 @@ def test_p_codes_packing_emulated():
                                                               c & 0xFF, d & 0xFF]
 
 
-def test_in_kernel_v_transpose_addressing_emulated():
-    """Emulates _transpose_v_block's thread/address/prmt arithmetic: every V^T byte is
-    written exactly once with the key-permuted transpose (after undoing the 128-byte
-    swizzle), and every warp-wide 32-bit load and store is bank-conflict-free."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_in_kernel_v_transpose_addressing_emulated(wide):
+    """Runs _transpose_v_block's address plan (the kernel's own code, on ints) and byte
+    transposes: every V^T byte is written exactly once with the key-permuted transpose
+    (after undoing the 128-byte swizzle), and no shared access has a bank conflict:
+    32-bit accesses hit 32 distinct banks per warp; the wide plan's 16-byte loads hit 8
+    distinct 16-byte bank groups per quarter warp."""
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(128, 128), dtype=np.int64)  # [key, d] bytes
+    flat = raw.reshape(-1)
     vt_bytes = np.full(128 * 128, -1, np.int64)
-    words = lambda row, col4: sum(raw[row, col4 + b] << (8 * b) for b in range(4))
-    for it in range(8):
+    word = lambda off: sum(int(flat[off + b]) << (8 * b) for b in range(4))
+    plan = fa._wide_transpose_plan if wide else fa._word_transpose_plan
+    for it in range(2 if wide else 8):
         for warp in range(4):
-            load_banks, store_banks = [[] for _ in range(4)], [[] for _ in range(4)]
-            for lane in range(32):
-                wk = lane ^ (warp * 8 + it)
-                g, t = wk >> 2, wk & 3
-                key0 = g * 16 + 2 * t
-                regs = []
-                for i, dk in enumerate((0, 1, 8, 9)):
-                    off = (key0 + dk) * 128 + lane * 4
-                    load_banks[i].append((off // 4) % 32)
-                    regs.append(words(key0 + dk, lane * 4))
-                r0, r1, r2, r3 = regs
-                t01l, t01h = _prmt(r0, r1, 0x5140), _prmt(r0, r1, 0x7362)
-                t23l, t23h = _prmt(r2, r3, 0x5140), _prmt(r2, r3, 0x7362)
-                outs = (_prmt(t01l, t23l, 0x5410), _prmt(t01l, t23l, 0x7632),
-                        _prmt(t01h, t23h, 0x5410), _prmt(t01h, t23h, 0x7632))
-                for j, o in enumerate(outs):
-                    dd = lane * 4 + j
-                    off = dd * 128 + ((g ^ (dd & 7)) * 16) + t * 4
-                    store_banks[j].append((off // 4) % 32)
-                    for b in range(4):
-                        assert vt_bytes[off + b] == -1
-                        vt_bytes[off + b] = (o >> (8 * b)) & 0xFF
-            for banks in load_banks + store_banks:
-                assert len(set(banks)) == 32
+            plans = [plan(fa._IntOps, warp, lane, it) for lane in range(32)]
+            n_loads, n_stores = len(plans[0][0]), sum(map(len, plans[0][1]))
+            for i in range(n_loads):
+                offs = [p_[0][i] for p_ in plans]
+                if wide:  # 16-byte loads, 16-byte aligned, in four phases of 8 lanes
+                    assert all(o % 16 == 0 for o in offs)
+                    for q in range(4):
+                        assert len({(o // 16) % 8 for o in offs[8 * q:8 * q + 8]}) == 8
+                else:
+                    assert len({(o // 4) % 32 for o in offs}) == 32
+            for i in range(n_stores):
+                offs = [sum(p_[1], [])[i] for p_ in plans]
+                assert len({(o // 4) % 32 for o in offs}) == 32
+            for loads, stores in plans:
+                if wide:  # word m of each 16-byte row
+                    quads = [[word(off + 4 * m) for off in loads] for m in range(4)]
+                else:
+                    quads = [[word(off) for off in loads]]
+                for quad, offs in zip(quads, stores):
+                    for o, off in zip(fa._transpose_4x4(_prmt, *quad), offs):
+                        for b in range(4):
+                            assert vt_bytes[off + b] == -1
+                            vt_bytes[off + b] = (o >> (8 * b)) & 0xFF
     assert (vt_bytes >= 0).all()
     # undo the swizzle: logical (d, c) at d*128 + ((c//16) ^ (d%8))*16 + c%16
     vt = np.empty((128, 128), np.int64)
