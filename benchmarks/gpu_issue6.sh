@@ -8,6 +8,8 @@
 #        ring_stacked ring cache,    FP8 Pallas attention (K/V read in place), psum, stacked Pallas
 #                     GEMMs (projections read in place from the layer stack)
 #        ring_fused   as ring_stacked, with the fused Pallas GEMM + all-reduce
+#        ring_codes   as ring_fused, attention 'pallas-codes' (p_codes + lazy rescale; not
+#                     in the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
@@ -86,6 +88,7 @@ for v in $VARIANTS; do
     ring_kvslice) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked --kv-slice) ;;
     ring_stacked) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked) ;;
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
+    ring_codes)   opts=(--mode ring --attention pallas-codes --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \

@@ -113,6 +113,35 @@ def test_auto_on_cpu_is_the_reference_and_jits():
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
 
 
+@pytest.mark.parametrize("impl", sorted(fa.PALLAS_IMPLS))
+def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
+    """attention(impl=...) for each Pallas impl name reaches the kernel with that name's
+    options (traced and lowered for CUDA on CPU; 'pallas-codes' carries p_codes and the
+    lazy rescale), and the numerics harness resolves each to the reference off Hopper."""
+    from characters_jax.numerics import runs
+    seen = []
+    real = fa._fp8_attention_call
+    monkeypatch.setattr(fa, "_fp8_attention_call",
+                        lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    tq, s, h, d = 757, 5788, 2, 128
+    q = jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((s, h, d), fa.F8)
+    sc = jax.ShapeDtypeStruct((h,), jnp.float32)
+    va = jax.ShapeDtypeStruct((s,), jnp.bool_)
+    fa.attention_pallas.clear_cache()  # trace it again, through the patched call
+    try:
+        jax.jit(lambda *a: fa.attention(*a, impl=impl)).trace(q, k, k, sc, sc, va).lower(
+            lowering_platforms=("cuda",))
+    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
+        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+    assert seen and all(seen[-1][k_] == v_ for k_, v_ in fa.PALLAS_IMPLS[impl].items())
+    assert seen[-1]["p_codes"] == fa.PALLAS_IMPLS[impl].get("p_codes", 0)
+    name = {"pallas": "fp8-attention", "pallas-codes": "fp8-attention-codes"}[impl]
+    resolved = runs.resolve(runs.VARIANTS[name], tp=2)
+    if jax.default_backend() == "cpu":
+        assert resolved.variant.attention == "reference" and "Hopper" in resolved.note
+
+
 def test_key_permutation_is_a_permutation_within_16():
     perm = fa._key_permutation(128)
     assert sorted(perm.tolist()) == list(range(128))

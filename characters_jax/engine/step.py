@@ -31,6 +31,7 @@ from characters_jax.model.rope import apply_rope, rope_frequencies
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import attention
+from pallas_kernels.fp8_attention import PALLAS_IMPLS
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 
 
@@ -296,7 +297,7 @@ class Engine:
         layout = self.layout
         del params
         impl = resolve_attention(self.options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, self.cfg.model.head_dim)
-        whole = layout.mode == "ring" and self.options.kv_in_place and impl == "pallas"
+        whole = layout.mode == "ring" and self.options.kv_in_place and impl in PALLAS_IMPLS
 
         def one_step(_, carry):
             state, checksum = carry
