@@ -992,11 +992,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         return jnp.where(moved, alpha, 1.0) if lazy_rescale else alpha
 
                     if "no_softmax" in debug:  # timing only: P = garbage, no math
-                        one = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
-                                                plgpu.Layout.WGMMA.reduce(1))
-                        p8 = _p_codes_8bit_a(s, ((lax.broadcast_in_dim(one, s.shape, [0]),) * 2,),
-                                             block_kv, raw=True)
-                        return lax.optimization_barrier((p8, m_i, one, None, acc, l_i))
+                        zeros = plgpu.layout_cast(jnp.full((BLOCK_Q,), 0.0, jnp.float32),
+                                                  plgpu.Layout.WGMMA.reduce(1))
+                        unused = (lax.broadcast_in_dim(zeros, s.shape, [0]),) * 2
+                        p8 = _p_codes_8bit_a(s, (unused,), block_kv, raw=True)
+                        return lax.optimization_barrier((p8, m_i, zeros, None, acc, l_i))
                     if p_codes:  # P's e4m3 codes straight from x: y = x * xa + y_off
                         xa = (plgpu.layout_cast(jnp.full((BLOCK_Q,), 1.0, jnp.float32),
                                                 plgpu.Layout.WGMMA.reduce(1))

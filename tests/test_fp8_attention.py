@@ -379,6 +379,22 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
         assert not re.search(r"stablehlo.concatenate[^\n]*f8E4M3FN", text)
 
 
+@pytest.mark.parametrize("debug", [("no_softmax",), ("no_v_transpose",)])
+def test_timing_diagnostics_lower_for_cuda(debug):
+    """The kernel's timing diagnostics (wrong results by design) still trace and lower."""
+    tq, s, h, d = 757, 5788, 2, 128
+    opts = fa.kernel_options(h, jnp.ones((s,), bool), tq=tq, num_sms=132)
+    q8 = (jax.ShapeDtypeStruct((tq, h, d), fa.F8),) * 2
+    kv = jax.ShapeDtypeStruct((s, h, d), fa.F8)
+    f = jax.jit(lambda a, b, k_, v_, sc_, bi: fa._fp8_attention_call(
+        (a, b), k_, v_, sc_, bi, out_dtype=jnp.bfloat16, clip_out=False, debug=debug, **opts))
+    try:
+        f.trace(*q8, kv, kv, jax.ShapeDtypeStruct((h, 2, 768), jnp.float32),
+                jax.ShapeDtypeStruct((5888,), jnp.float32)).lower(lowering_platforms=("cuda",))
+    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
+        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+
+
 def test_kernel_with_layer_lowers_without_slicing_the_stack():
     """With ``layer`` the kernel takes the [L, S, H, D] stacks themselves: the lowered
     program has no dynamic-slice of K/V (the layer is a TMA coordinate in the kernel)."""
