@@ -46,88 +46,82 @@ _SASS_EVENT = (("QGMMA", "mma"), ("HGMMA", "mma"), ("WARPGROUP.ARRIVE", "fence")
                ("WARPGROUP.DEPBAR", "wait"), ("SYNCS.PHASECHK", "mbarrier_wait"))
 
 
-def timeline(ptx: str) -> list[str]:
-    """Condensed program-order view of a PTX text: one line per run of consecutive wgmma
-    events of one kind ('mma_async x4', 'wait_group 1', ...) and, between them, one line
-    with the other instructions counted by opcode (labels, directives, comments and
-    braces skipped)."""
+def _condense(items) -> list[str]:
+    """The timeline of a stream of (event, opcode, address) items in program order: one
+    line per run of one event ('mma_async x4', with its first address when it has one)
+    and, between events, one line counting the other instructions by opcode. An item is
+    an event (opcode None) or another instruction (event None)."""
     out: list[str] = []
     others: collections.Counter = collections.Counter()
-    last_event, repeat = None, 0
+    last, repeat, addr = None, 0, None
 
     def flush_event():
-        nonlocal last_event, repeat
-        if last_event is not None:
-            out.append(f"{last_event}" + (f" x{repeat}" if repeat > 1 else ""))
-        last_event, repeat = None, 0
+        nonlocal last, repeat
+        if last is not None:
+            out.append((f"0x{addr} " if addr else "") + last
+                       + (f" x{repeat}" if repeat > 1 else ""))
+        last, repeat = None, 0
 
     def flush_others():
         if others:
             out.append("    " + ", ".join(f"{n} {op}" for op, n in others.most_common()))
             others.clear()
 
+    for event, opcode, where in items:
+        if event is None:
+            flush_event()
+            others[opcode] += 1
+            continue
+        if event != last or others:
+            flush_event()
+            flush_others()
+            addr = where
+        last, repeat = event, repeat + 1
+    flush_event()
+    flush_others()
+    return out
+
+
+def _ptx_items(ptx: str):
     for raw in ptx.splitlines():
         line = raw.split("//")[0].strip()
         if not line or line.startswith((".", "{", "}")) or line.endswith(":"):
             continue
         m = _WGMMA.search(line)
         if m:
-            event = m.group(1) + (f" {m.group(2)}" if m.group(1) == "wait_group" else "")
-            if event != last_event or others:
-                flush_event()
-                flush_others()
-            last_event, repeat = event, repeat + 1
-            continue
-        op = _OPCODE.match(line)
-        if op:
-            if last_event is not None:
-                flush_event()
-            others[op.group(1)] += 1
-    flush_event()
-    flush_others()
-    return out
+            yield m.group(1) + (f" {m.group(2)}" if m.group(1) == "wait_group" else ""), None, None
+        elif op := _OPCODE.match(line):
+            yield None, op.group(1), None
 
 
-def sass_timeline(sass: str) -> list[str]:
-    """The timeline of a cuobjdump -sass listing: one line per run of consecutive events
-    ('0x2760 mma 64x128x32 x8', '0x28e0 wait gsb0 0', fence, mbarrier_wait), each with the
-    address of its first instruction, and between them the other instructions counted by
-    opcode (predicates stripped)."""
-    out: list[str] = []
-    others: collections.Counter = collections.Counter()
-    last, repeat, addr = None, 0, ""
-
-    def flush():
-        nonlocal last, repeat
-        if last is not None:
-            out.append(f"0x{addr} {last}" + (f" x{repeat}" if repeat > 1 else ""))
-        last, repeat = None, 0
-        if others:
-            out.append("    " + ", ".join(f"{n} {op}" for op, n in others.most_common()))
-            others.clear()
-
+def _sass_items(sass: str):
     for line in sass.splitlines():
         m = _SASS_LINE.match(line)
         if not m:
             continue
         a, op, rest = m.groups()
         kind = next((k for prefix, k in _SASS_EVENT if op.startswith(prefix)), None)
-        if kind is None:
-            if last is not None:
-                out.append(f"0x{addr} {last}" + (f" x{repeat}" if repeat > 1 else ""))
-                last, repeat = None, 0
-            others[op] += 1
-            continue
         if kind == "mma":
             kind = f"mma {op.split('.')[1]}"
         elif kind == "wait":
             kind = "wait " + rest.strip().replace(",", "").replace("  ", " ")
-        if kind != last or others:
-            flush()
-            addr = a
-        last, repeat = kind, repeat + 1
-    flush()
-    return out
+        yield kind, None if kind else op, a
+
+
+def timeline(ptx: str) -> list[str]:
+    """Condensed program-order view of a PTX text: one line per run of consecutive wgmma
+    events of one kind ('mma_async x4', 'wait_group 1', ...) and, between them, one line
+    with the other instructions counted by opcode (labels, directives, comments and
+    braces skipped)."""
+    return _condense(_ptx_items(ptx))
+
+
+def sass_timeline(sass: str) -> list[str]:
+    """The timeline of a cuobjdump -sass listing: one line per run of consecutive events
+    ('0x2760 mma 64x128x32 x8', '0x28e0 wait gsb0 0x0', fence, mbarrier_wait), each with
+    the address of its first instruction, and between them the other instructions
+    counted by opcode (predicates stripped)."""
+    return _condense(_sass_items(sass))
 
 
 def sass_of(path: str, cuobjdump: str = "cuobjdump") -> str:

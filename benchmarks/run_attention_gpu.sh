@@ -13,8 +13,8 @@
 # tests, default all), PTXAS_B (1: ptxas -v of stage B's kernels, its register and spill
 # lines in the summary), PROFILE_VARIANT (variant names, comma-separated, each optionally
 # ':diag1+diag2' with attention_profile.py --debug diagnostics: the Mosaic GPU profile of
-# each at 18 heads, stream-K, after the benchmarks), SASS_VARIANT (a variant: its PTX,
-# ptxas report and SASS); both in $OUT/prof.tgz.
+# each at 18 heads, stream-K, after the benchmarks), SASS_VARIANT (a variant: its PTX and
+# ptxas report, for attention_ptx.py --sass); both in $OUT/prof.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
@@ -52,10 +52,12 @@ if [ -n "${PROFILE_VARIANT:-}${SASS_VARIANT:-}" ]; then
       > "/tmp/prof/${pv//[:+]/_}.txt" 2>&1 || echo "profile $pv rc=$?"
     echo "== profile $pv"; grep -A12 "^heads" "/tmp/prof/${pv//[:+]/_}.txt" | grep -v "^  *Init\|merge\|partial\|store\|q_wait"
   done
-  if [ -n "${SASS_VARIANT:-}" ]; then  # PTX, ptxas report and SASS of one variant
-    MOSAIC_GPU_DUMP_SASS=1 timeout 120 python3 benchmarks/attention_ptx.py \
+  if [ -n "${SASS_VARIANT:-}" ]; then  # PTX and ptxas report of one variant (its SASS:
+    # attention_ptx.py --sass on the PTX, on any machine; nvdisasm is not on this PATH)
+    timeout 120 python3 benchmarks/attention_ptx.py \
       --variant "$SASS_VARIANT" --out "/tmp/prof/ptx_$SASS_VARIANT" > /tmp/prof/ptx.txt 2>&1 \
       || echo "ptx rc=$?"
+    rm -f /tmp/prof/ptx_*/*mlir-passes.log  # 45-80 MB of pass dumps
     ls -la "/tmp/prof/ptx_$SASS_VARIANT" | head
   fi
   tar czf "$OUT/prof.tgz" -C /tmp prof

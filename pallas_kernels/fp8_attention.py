@@ -205,6 +205,13 @@ def exp2_from_bits(u):
     return lax.bitcast_convert_type(i, jnp.float32)
 
 
+def _vec_elem(v, i: int):
+    """Kernel code: element i (static) of an MLIR vector value."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import vector
+    return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+
+
 def p_code_coefficients(xa, y_off, low_line: bool):
     """Per-row coefficients of the e4m3 P codes for y = x * xa + y_off (any shapes that
     broadcast): ((a, b), plus (a2, b2) with the low-range line), with which the kernel
@@ -239,7 +246,6 @@ def _p_codes_8bit_a(x, coefs, block_kv: int, raw: bool = False):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import vector
 
     low_line = len(coefs) == 2
     flat = [c for pair in coefs for c in pair]
@@ -254,11 +260,6 @@ def _p_codes_8bit_a(x, coefs, block_kv: int, raw: bool = False):
         utils = mgpu.utils
         i32 = ir.IntegerType.get_signless(32)
         f8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
-
-        def elem(reg, e):
-            return vector.extract(reg, dynamic_position=[],
-                                  static_position=ir.DenseI64ArrayAttr.get([e]))
-
         lines = [f"fma.rn.sat.f32 t{i}, ${i + 1}, $5, $6;" for i in range(4)]
         if low_line:
             lines += [f"fma.rn.f32 w{i}, ${i + 1}, $7, $8;\n\tmax.f32 t{i}, t{i}, w{i};"
@@ -277,9 +278,9 @@ def _p_codes_8bit_a(x, coefs, block_kv: int, raw: bool = False):
         new = np.empty(mgpu.WGMMA_LAYOUT_8BIT.registers_shape((BLOCK_Q, block_kv)), object)
         for rh in range(2):
             # each coefficient is constant along a row: any register of row half rh
-            row = [elem(c.registers[0, 0, 0, 0, rh, 0, 0, 0, 0], 0) for c in cs]
+            row = [_vec_elem(c.registers[0, 0, 0, 0, rh, 0, 0, 0, 0], 0) for c in cs]
             for g in range(block_kv // 16):
-                vals = [elem(regs[0, 2 * g + k, 0, 0, rh, 0, 0, 0, 0], e)
+                vals = [_vec_elem(regs[0, 2 * g + k, 0, 0, rh, 0, 0, 0, 0], e)
                         for k in range(2) for e in range(2)]
                 word = utils.inline_ptx(ptx, *vals, *row, result_types=i32)
                 new[0, g, 0, 0, rh, 0, 0, 0, 0] = utils.bitcast(word, f8x4)
@@ -295,7 +296,7 @@ def _rescale_rows_if_any(acc, alpha):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, scf, vector
+    from jax._src.lib.mlir.dialects import arith, scf
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
                        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
@@ -308,9 +309,7 @@ def _rescale_rows_if_any(acc, alpha):
         regs = a.registers  # [1, D/8, 1, 1, 2, 1, 1, 1, 1] of vector<2xf32>
         rows = [al.registers[0, 0, 0, 0, rh, 0, 0, 0, 0] for rh in range(2)]
         one = arith.constant(f32, 1.0)
-        first = lambda v: vector.extract(v, dynamic_position=[],
-                                         static_position=ir.DenseI64ArrayAttr.get([0]))
-        ne = [arith.cmpf(arith.CmpFPredicate.UNE, first(r), one) for r in rows]
+        ne = [arith.cmpf(arith.CmpFPredicate.UNE, _vec_elem(r, 0), one) for r in rows]
         mine = arith.extui(i32, arith.ori(*ne))
         any_w = utils.inline_ptx(
             "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $1, 0;\n\t"
@@ -435,7 +434,7 @@ def _transpose_v_block(raw_ref, vt_ref, wide: bool = False):
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import jax.experimental.mosaic.gpu as mgpu
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax._src.lib.mlir.dialects import arith, llvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
     def tr(ctx, raw, vt):
@@ -464,9 +463,7 @@ def _transpose_v_block(raw_ref, vt_ref, wide: bool = False):
                 v4 = ir.VectorType.get((4,), i32)
                 rows = [llvm.load(v4, utils.getelementptr(raw_p, [off], i8), alignment=16)
                         for off in loads]
-                words = [[vector.extract(r, dynamic_position=[],
-                                         static_position=ir.DenseI64ArrayAttr.get([m]))
-                          for r in rows] for m in range(4)]
+                words = [[_vec_elem(r, m) for r in rows] for m in range(4)]
             else:
                 words = [[llvm.load(i32, utils.getelementptr(raw_p, [off], i8))
                           for off in loads]]
@@ -773,6 +770,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     if overlap in ("pv", "qk") and pingpong:
         raise ValueError("overlap 'pv' / 'qk' replace the ping-pong: pass pingpong=False")
     p_in_smem = overlap == "qk"  # P's buffers alias the output staging buffer
+    # With the tensor core's row sums the default and 'batch' loops carry l as the [64, 8]
+    # row-sum tile (all columns equal: no cross-thread reduction per block) and reduce it
+    # once, after the segment.
+    l8_carry = l_in_pv and overlap in ("", "batch")
     if p_in_smem and not (jnp.dtype(out_dtype).itemsize == 2 and block_kv == d):
         raise ValueError("overlap='qk' needs a 16-bit output and block_kv == 128")
     if q_in_kernel and not (q_in_kernel in (1, 2) and n_q_ops == 1 and v_in_kernel
@@ -1020,7 +1021,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if acc is not None:
                         acc = (_rescale_rows_if_any(acc, alpha) if lazy_rescale else
                                acc * lax.broadcast_in_dim(alpha, acc.shape, [0]))
-                        if l_i.ndim == 2:  # [64, 8] row sums (see sum_rows)
+                        if l8_carry:  # l is the [64, 8] row-sum tile
                             l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [0])
                         else:
                             l_i = l_i * alpha if psum is None else l_i * alpha + psum
@@ -1048,6 +1049,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         pl.when(jnp.logical_and(defer_signal, step == signal_step))(
                             signal_partial)
 
+                def fresh_acc(n):
+                    """A zeroed [64, n] f32 wgmma accumulator."""
+                    return plgpu.ACC.init(plgpu.layout_cast(
+                        jnp.full((BLOCK_Q, n), 0.0, jnp.float32), plgpu.Layout.WGMMA))
+
                 def kv_step(j, carry):
                     """One KV block: Q.K^T, wait, softmax, P.V, wait."""
                     acc, m_i, l_i = carry
@@ -1072,31 +1078,16 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                             plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
                     with jax.named_scope("pv"):
-                        sums0 = (plgpu.ACC.init(plgpu.layout_cast(
-                            jnp.full((BLOCK_Q, 8), 0.0, jnp.float32), plgpu.Layout.WGMMA))
-                            if l_in_pv else None)
-                        acc, sums = pl.run_state(pv)((plgpu.ACC.init(acc), sums0))
+                        acc, sums = pl.run_state(pv)(
+                            (plgpu.ACC.init(acc), fresh_acc(8) if l_in_pv else None))
                     plgpu.barrier_arrive(v_done.at[slot])
                     if l_in_pv:
-                        l_i = sum_rows(l_i, sums)
+                        l_i = l_i + sums  # l8_carry
                     return acc, m_new, l_i
 
-                def sum_rows(l_i, sums):
-                    """l + this block's row sums. Every column of the [64, 8] row-sum
-                    accumulator holds the row's sum, so a [64, 8] l (l8_carry) adds them
-                    in place: no cross-thread reduction (two shuffle rounds) per block."""
-                    return l_i + sums if l_i.ndim == 2 else l_i + sums.max(axis=1)
-
-                # With the tensor core's row sums the default and 'batch' loops carry l as
-                # [64, 8] (all columns equal) and reduce it once, after the segment.
-                l8_carry = l_in_pv and overlap in ("", "batch")
                 if l8_carry:
                     l_i = plgpu.layout_cast(jnp.full((BLOCK_Q, 8), 0.0, jnp.float32),
                                             plgpu.Layout.WGMMA)
-
-                def fresh_acc(n):
-                    return plgpu.ACC.init(plgpu.layout_cast(
-                        jnp.full((BLOCK_Q, n), 0.0, jnp.float32), plgpu.Layout.WGMMA))
 
                 def batched_step(j, carry, has_next):
                     """overlap='batch': the softmax of block j, then one wgmma batch: P.V of
@@ -1131,12 +1122,12 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                     if has_next:
                         maybe_signal(step + 1)
                     if l_in_pv:
-                        l_i = sum_rows(l_i, sums)
+                        l_i = l_i + sums  # l8_carry
                     return s_next, acc, m_new, l_i, flag_n
 
                 def first_s():
-                    """overlap='batch': Q.K^T of the segment's first block, its K waited
-                    for here, and that block's mask flag."""
+                    """overlap 'batch' / 'pv': Q.K^T of the segment's first block, its K
+                    waited for here, and that block's mask flag."""
                     step = t * nb + jb - u0
                     slot = lax.rem(step, stages)
                     flag = mask_flag(jb)
@@ -1231,12 +1222,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 def first_block(m_i):
                     """overlap='pv': Q.K^T and the softmax of the segment's first block:
                     (p8, m, row sums of P)."""
-                    step = t * nb + jb - u0
-                    slot = lax.rem(step, stages)
-                    with jax.named_scope("sync"):
-                        plgpu.barrier_wait(k_bars.at[slot])
-                    s = waited_qk(slot, step)  # (no ping-pong with overlap)
-                    p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb)
+                    s, flag = first_s()  # (no ping-pong with overlap)
+                    slot = lax.rem(t * nb + jb - u0, stages)
+                    p8, m_new, _, psum, _, _ = softmax_block(s, m_i, slot, jb, flag=flag)
                     return p8, m_new, psum
 
                 def pv_pipelined_step(j, carry, has_next):

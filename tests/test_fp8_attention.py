@@ -58,6 +58,27 @@ def _naive(q, k, v, ks, vs, valid):
     return np.einsum("hqk,khd->qhd", p, v)
 
 
+_TQ, _S, _H, _D = 757, 5788, 2, 128  # the model's shape (S, Tq not multiples of 8)
+
+
+def _model_structs(layers=None):
+    """Abstract q [Tq, H, D] bf16, K/V [S, H, D] (or [L, S, H, D]) e4m3, scales [H], valid
+    [S] at the model's shape, for tracing without a GPU."""
+    kv_shape = (_S, _H, _D) if layers is None else (layers, _S, _H, _D)
+    return (jax.ShapeDtypeStruct((_TQ, _H, _D), jnp.bfloat16),
+            jax.ShapeDtypeStruct(kv_shape, fa.F8), jax.ShapeDtypeStruct((_H,), jnp.float32),
+            jax.ShapeDtypeStruct((_S,), jnp.bool_))
+
+
+def _lower_for_cuda(traceable, *args):
+    """traceable.trace(*args) lowered for CUDA on this (GPU-less) machine; skips when the
+    jaxlib has no Mosaic GPU."""
+    try:
+        return traceable.trace(*args).lower(lowering_platforms=("cuda",))
+    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
+        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+
+
 def _opt_id(opts):
     """A readable pytest id for a dict of kernel options ('p_codes=2-pingpong=True')."""
     if isinstance(opts, dict):
@@ -123,17 +144,9 @@ def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     real = fa._fp8_attention_call
     monkeypatch.setattr(fa, "_fp8_attention_call",
                         lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    tq, s, h, d = 757, 5788, 2, 128
-    q = jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((s, h, d), fa.F8)
-    sc = jax.ShapeDtypeStruct((h,), jnp.float32)
-    va = jax.ShapeDtypeStruct((s,), jnp.bool_)
+    q, k, sc, va = _model_structs()
     fa.attention_pallas.clear_cache()  # trace it again, through the patched call
-    try:
-        jax.jit(lambda *a: fa.attention(*a, impl=impl)).trace(q, k, k, sc, sc, va).lower(
-            lowering_platforms=("cuda",))
-    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
-        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+    _lower_for_cuda(jax.jit(lambda *a: fa.attention(*a, impl=impl)), q, k, k, sc, sc, va)
     assert seen and all(seen[-1][k_] == v_ for k_, v_ in fa.PALLAS_IMPLS[impl].items())
     assert seen[-1]["p_codes"] == fa.PALLAS_IMPLS[impl].get("p_codes", 0)
     name = {"pallas": "fp8-attention", "pallas-codes": "fp8-attention-codes"}[impl]
@@ -344,35 +357,26 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     assert np.diff(r).max() - np.diff(r).min() <= 1  # balanced to one KV block
 
 
-@pytest.mark.parametrize("v_in_kernel,q_split,stages,persistent,overlap", [
-    (True, True, 3, True, ""), (True, True, 2, True, ""), (True, True, 2, False, ""),
-    (True, False, 3, True, ""), (False, True, 3, True, ""), (True, True, 2, True, "qk"),
-    (True, False, 2, False, "qk"), (True, True, 2, True, "q_in_kernel"),
-    (True, False, 2, False, "q_in_kernel"), (True, True, 2, True, "pv"),
-    (True, True, 2, True, "p_codes1"), (True, True, 2, False, "p_codes2"),
-    (True, True, 2, True, "lazy"), (True, True, 2, True, "batch"),
-    (True, True, 2, False, "batch"), (True, True, 2, True, "wide_v")])
-def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, overlap):
+@pytest.mark.parametrize("v_in_kernel,q_split,stages,persistent,opts", [
+    (True, True, 3, True, {}), (True, True, 2, True, {}), (True, True, 2, False, {}),
+    (True, False, 3, True, {}), (False, True, 3, True, {}),
+    (True, True, 2, True, dict(overlap="qk")), (True, False, 2, False, dict(overlap="qk")),
+    (True, True, 2, True, dict(q_in_kernel=True)),
+    (True, False, 2, False, dict(q_in_kernel=True)),
+    (True, True, 2, True, dict(overlap="pv", l_in_pv=False)),
+    (True, True, 2, True, dict(p_codes=1)), (True, True, 2, False, dict(p_codes=2)),
+    (True, True, 2, True, dict(p_codes=1, lazy_rescale=True)),
+    (True, True, 2, True, dict(overlap="batch", pingpong=True, p_codes=1)),
+    (True, True, 2, False, dict(overlap="batch", pingpong=True, p_codes=1)),
+    (True, True, 2, True, dict(wide_v_transpose=True))], ids=_opt_id)
+def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, opts):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
-    tq, s, h, d = 757, 5788, 2, 128
-    q = jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((s, h, d), fa.F8)
-    sc = jax.ShapeDtypeStruct((h,), jnp.float32)
-    va = jax.ShapeDtypeStruct((s,), jnp.bool_)
-    try:
-        lowered = fa.attention_pallas.trace(
-            q, k, k, sc, sc, va, v_in_kernel=v_in_kernel, q_split=q_split,
-            stages=stages, persistent=persistent, num_sms=132,
-            overlap=overlap if overlap in ("qk", "pv", "batch") else "",
-            l_in_pv=overlap != "pv", pingpong=overlap == "batch",
-            q_in_kernel=overlap == "q_in_kernel",
-            p_codes=int(overlap[-1]) if overlap.startswith("p_codes") else
-            int(overlap in ("lazy", "batch")), lazy_rescale=overlap == "lazy",
-            wide_v_transpose=overlap == "wide_v").lower(
-                lowering_platforms=("cuda",))
-    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
-        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+    q, k, sc, va = _model_structs()
+    kw = dict(v_in_kernel=v_in_kernel, q_split=q_split, stages=stages,
+              persistent=persistent, num_sms=132, **opts)
+    lowered = _lower_for_cuda(jax.jit(lambda *a: fa.attention_pallas(*a, **kw)),
+                              q, k, k, sc, sc, va)
     text = lowered.as_text(debug_info=False)
     assert "mosaic_gpu" in text
     if v_in_kernel:  # Q's hi and lo parts are two operands: no FP8 array is concatenated
@@ -382,17 +386,13 @@ def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persis
 @pytest.mark.parametrize("debug", [("no_softmax",), ("no_v_transpose",)])
 def test_timing_diagnostics_lower_for_cuda(debug):
     """The kernel's timing diagnostics (wrong results by design) still trace and lower."""
-    tq, s, h, d = 757, 5788, 2, 128
-    opts = fa.kernel_options(h, jnp.ones((s,), bool), tq=tq, num_sms=132)
-    q8 = (jax.ShapeDtypeStruct((tq, h, d), fa.F8),) * 2
-    kv = jax.ShapeDtypeStruct((s, h, d), fa.F8)
+    _, kv, _, _ = _model_structs()
+    opts = fa.kernel_options(_H, jnp.ones((_S,), bool), tq=_TQ, num_sms=132)
+    q8 = (jax.ShapeDtypeStruct((_TQ, _H, _D), fa.F8),) * 2
     f = jax.jit(lambda a, b, k_, v_, sc_, bi: fa._fp8_attention_call(
         (a, b), k_, v_, sc_, bi, out_dtype=jnp.bfloat16, clip_out=False, debug=debug, **opts))
-    try:
-        f.trace(*q8, kv, kv, jax.ShapeDtypeStruct((h, 2, 768), jnp.float32),
-                jax.ShapeDtypeStruct((5888,), jnp.float32)).lower(lowering_platforms=("cuda",))
-    except (ImportError, RuntimeError) as e:  # jaxlib built without Mosaic GPU
-        pytest.skip(f"Mosaic GPU lowering unavailable: {e}")
+    _lower_for_cuda(f, *q8, kv, kv, jax.ShapeDtypeStruct((_H, 2, 768), jnp.float32),
+                    jax.ShapeDtypeStruct((5888,), jnp.float32))
 
 
 def test_kernel_with_layer_lowers_without_slicing_the_stack():
