@@ -16,7 +16,7 @@ nothing is hoisted; each output goes through a barrier too, so it is materialize
 
   cfg_<spec>       the kernel on 760 rows with another tiling, ``--configs m128n64s4 ...``
                   (``parse_config``: tile_m, tile_n per warpgroup, stages, optional
-                  w<grid_tile_width>, f<mma_in_flight>): output tiles are tile_m x
+                  w<grid_tile_width>, f<mma_in_flight>, k: stream-K): output tiles are tile_m x
                   2 * tile_n, so the tile count per wave of 132 SMs changes (wave
                   quantization)
 
@@ -73,22 +73,24 @@ SHAPES = {
 }
 PASSES = 4  # denoising passes per step (default sampler: 5 sigmas)
 VARIANTS = ("xla_stacked", "kernel", "kernel_m760", "kernel_m64", "xla_single")
-_CONFIG_SPEC = re.compile(r"m(\d+)n(\d+)s(\d+)(?:w(\d+))?(?:f(\d+))?$")
+_CONFIG_SPEC = re.compile(r"m(\d+)n(\d+)s(\d+)(?:w(\d+))?(?:f(\d+))?(k)?$")
 
 
 def parse_config(spec: str):
     """'m128n64s4' -> Config(tile_m=128, tile_n=64, stages=4); 'm64n128s4w8' also sets
-    grid_tile_width=8, 'm128n128s3f1' mma_in_flight=1."""
+    grid_tile_width=8, 'm128n128s3f1' mma_in_flight=1, 'm128n128s3k' the stream-K schedule."""
     from pallas_kernels import fp8_gemm_stacked as st
     m = _CONFIG_SPEC.match(spec)
     if not m:
         raise ValueError(f"config spec {spec!r}: want m<tile_m>n<tile_n>s<stages>[w<width>]"
-                         "[f<mma_in_flight>]")
+                         "[f<mma_in_flight>][k]")
     kw = dict(tile_m=int(m[1]), tile_n=int(m[2]), stages=int(m[3]))
     if m[4]:
         kw["grid_tile_width"] = int(m[4])
     if m[5]:
         kw["mma_in_flight"] = int(m[5])
+    if m[6]:
+        kw["stream_k"] = True
     return st.Config(**kw)
 
 

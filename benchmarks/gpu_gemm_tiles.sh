@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The stacked FP8 GEMM's tilings against cuBLASLt, the fused GEMM + all-reduce, and the
 # default step's profile with named kernels, in one call on nvidia-h200-x2 (~4-6 minutes;
-# every stage under a timeout):
-#   GPU 1: GPU tests (TESTS; default the FP8 linear and stacked GEMM files);
+# every stage under a timeout; on one GPU, STEPS=0, the tests run first on GPU 0):
+#   GPU 1: GPU tests (TESTS; default the FP8 linear and stacked GEMM files; T_TESTS s);
 #   GPU 0, at the same time: benchmarks/bench_gemm_stacked.py at the four tp=2 shapes, the
 #          picked tiling (``pick_config``) against the CONFIGS tilings, and torch._scaled_mm
 #          in the same process;
@@ -25,9 +25,14 @@ STEPS=${STEPS:-10}
 mkdir -p "$OUT"
 START=$SECONDS
 
-( CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 150 python3 -m pytest -q -s -m gpu \
-    -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?" >> "$OUT/tests.log" ) &
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+run_tests() {  # $1: the GPU
+  CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 "${T_TESTS:-150}" \
+    python3 -m pytest -q -s -m gpu -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?" >> "$OUT/tests.log"
+}
+# Two GPUs: the tests on GPU 1 beside the benchmark; one GPU: first, on GPU 0.
+if [ "$NGPU" -ge 2 ]; then run_tests 1 & else run_tests 0; fi
 # shellcheck disable=SC2086
 CUDA_VISIBLE_DEVICES=0 timeout -k 10 260 python3 benchmarks/bench_gemm_stacked.py --out "$OUT" \
   --variants kernel_m760 --configs $CONFIGS --torch --repeats 9 --budget-s 150 > "$OUT/gemm.log" 2>&1

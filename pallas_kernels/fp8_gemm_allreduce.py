@@ -112,6 +112,10 @@ class Config:
     # Measured 3-16% slower at the characters-57b tp=2 shapes on an H200 (BUILD_NOTES):
     # the later release costs a stage of prefetch.
     mma_in_flight: int = 0
+    # tp = 1 only (the stacked GEMM, ``fp8_gemm_stream_k``): the K steps of all output
+    # tiles dealt out evenly over the persistent grid, tiles cut between neighbouring
+    # blocks and their partials merged in the kernel, instead of whole tiles per block.
+    stream_k: bool = False
 
 
 # Run 1's configuration (the fallback) and the in-kernel reduction.
@@ -186,6 +190,8 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     tma_add = c.reduce == "tma_add"
     if c.reduce not in ("xla", "tma_add"):
         raise ValueError(f"unknown reduce {c.reduce!r}")
+    if c.stream_k:
+        raise ValueError("Config.stream_k is the stacked GEMM's schedule (fp8_gemm_stream_k)")
     if c.mma_in_flight not in (0, 1) or c.stages <= c.mma_in_flight:
         raise ValueError(f"mma_in_flight must be 0 or 1 and below stages, got {c}")
     if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:

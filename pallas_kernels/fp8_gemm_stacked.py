@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import fp8_gemm_allreduce as _fa
+from pallas_kernels import fp8_gemm_stream_k as _sk
 
 FP8 = jnp.float8_e4m3fn
 Config = _fa.Config
@@ -132,7 +133,7 @@ def _check(x_fp8, w_stacked, layer, scale, addend=None):
 
 
 def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool,
-            addend=None):
+            addend=None, num_sms=None):
     if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
         raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
                          f"{w_stacked.dtype}")
@@ -149,15 +150,23 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
-    out, _ = _fa._kernel(
-        x, w_stacked, scale_tile, addend, axis_name=None, tp=1, out_dtype=out_dtype,
-        config=config, layer=layer_arr,
-        num_sms=INTERPRET_NUM_SMS if interpret else None, interpret=interpret)
+    if config.stream_k:
+        tiles = -(-m8 // config.tile_m) * (n // (2 * config.tile_n))
+        ctas = _sk.num_ctas(tiles, num_sms or (INTERPRET_NUM_SMS if interpret
+                                               else _fa.device_sm_count()))
+        out = _sk.kernel(x, w_stacked, scale_tile, addend, layer_arr, out_dtype=out_dtype,
+                         config=config, ctas=ctas, interpret=interpret)
+    else:
+        out, _ = _fa._kernel(
+            x, w_stacked, scale_tile, addend, axis_name=None, tp=1, out_dtype=out_dtype,
+            config=config, layer=layer_arr,
+            num_sms=num_sms or (INTERPRET_NUM_SMS if interpret else None), interpret=interpret)
     return out if m8 == m else out[:m]
 
 
 def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16,
-                       impl="auto", config: Config | None = None, addend=None) -> jax.Array:
+                       impl="auto", config: Config | None = None, addend=None,
+                       num_sms: int | None = None) -> jax.Array:
     """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
@@ -167,7 +176,10 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
-    config: the kernel's tiling (default ``pick_config(N, K, M)``)."""
+    config: the kernel's tiling (default ``pick_config(N, K, M)``); ``Config(stream_k=True)``
+    runs the stream-K schedule (``fp8_gemm_stream_k``).
+    num_sms: the kernel's persistent grid (default: the device's SMs; 2 under the
+    interpreter)."""
     _check(x_fp8, w_stacked, layer, scale, addend)
     config = config or pick_config(*w_stacked.shape[1:], m=x_fp8.shape[0])
     if impl not in IMPLS:
@@ -177,4 +189,4 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     if impl == "reference":
         return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend)
     return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
-                   interpret=impl == "interpret", addend=addend)
+                   interpret=impl == "interpret", addend=addend, num_sms=num_sms)

@@ -14,6 +14,7 @@ import pytest
 from jax import lax
 
 from pallas_kernels import fp8_gemm_stacked as st
+from pallas_kernels import fp8_gemm_stream_k as sk
 
 FP8 = jnp.float8_e4m3fn
 
@@ -174,7 +175,11 @@ def test_mma_in_flight_lowers_for_cuda_and_is_checked():
 @pytest.mark.parametrize("config,n", [(st.DEFAULT_CONFIG, 512), (st.Config(tile_m=64, stages=4), 512),
                                       (None, 384),  # None, N = 384: pick_config -> NARROW_CONFIG
                                       # 240 tiles on 132 SMs: blocks run a second tile
-                                      (st.Config(mma_in_flight=1), 10240)])
+                                      (st.Config(mma_in_flight=1), 10240),
+                                      # stream-K: 240 tiles of 4 K steps over 132 blocks
+                                      (st.Config(stream_k=True), 10240),
+                                      (st.Config(stream_k=True, tile_n=64, stages=4), 10240),
+                                      (st.Config(stream_k=True), 512)])  # 12 tiles, 12 blocks
 def test_kernel_on_gpu_inside_scan(config, n):
     if not st.is_supported():
         pytest.skip("needs an NVIDIA Hopper GPU")
@@ -296,3 +301,91 @@ def test_pick_config_by_wave_fill():
     assert st.pick_config(13824, 9216) == st.DEFAULT_CONFIG  # M unknown: the default
     assert pick(13824, 9216, m=128) == st.NARROW_CONFIG  # 108 tiles busy 82% of the SMs, 54 41%
     assert pick(9216, 4608, m=128 * 22) == st.DEFAULT_CONFIG  # 792 tiles = 6 full waves
+
+
+@pytest.mark.parametrize("n,k,ctas", [(13824, 9216, 132), (9216, 4608, 132), (16128, 9216, 132),
+                                      (9216, 16128, 132), (8064, 9216, 132), (512, 768, 3),
+                                      (9216, 4608, 216), (9216, 4608, 1)])
+def test_stream_k_plan_covers_every_step_once(n, k, ctas):
+    """The stream-K schedule at the characters-57b shapes (tp = 2, tp = 4's MLP-up on the
+    narrow tiles) and small ones: every K step of every tile in exactly one block's range, in
+    order; a tile is cut at most once, between neighbours, the owner's last segment holding
+    its first step and the next block's first segment the rest."""
+    config = st.pick_config(n, k) if n % 256 else st.DEFAULT_CONFIG
+    tiles = -(-760 // config.tile_m) * (n // (2 * config.tile_n))
+    k_iters = k // config.tile_k
+    ctas = min(ctas, tiles)
+    plan = sk.plan(tiles, k_iters, ctas)
+    covered = np.zeros((tiles, k_iters), np.int32)
+    for c, segs in enumerate(plan):
+        assert sum(ke - kb for _, kb, ke in segs) >= k_iters  # a range holds a tile's worth
+        for j, (t, kb, ke) in enumerate(segs):
+            assert 0 <= kb < ke <= k_iters
+            covered[t, kb:ke] += 1
+            if kb > 0:  # a partial: the block's first segment, its tile owned by c - 1
+                assert j == 0 and plan[c - 1][-1] == (t, 0, kb)
+            if ke < k_iters:  # a cut tile's owner: the block's last segment
+                assert j == len(segs) - 1 and plan[c + 1][0] == (t, ke, k_iters)
+    assert (covered == 1).all()
+    assert sk.has_partials(tiles, k_iters, ctas) == any(
+        kb > 0 for segs in plan for _, kb, _ in segs)
+    with pytest.raises(ValueError, match="ctas"):
+        x = jax.ShapeDtypeStruct((760, k), FP8)
+        w = jax.ShapeDtypeStruct((2, n, k), FP8)
+        jax.eval_shape(lambda x, w: sk.kernel(
+            x, w, jnp.zeros((64, 64)), None, jnp.zeros((1,), jnp.int32), out_dtype=jnp.bfloat16,
+            config=config, ctas=tiles + 1), x, w)
+
+
+@pytest.mark.parametrize("m,n,k,num_sms,config,with_addend", [
+    # 6 tiles of 6 K steps on 3 blocks... 2 M x 2 N tiles, the second M tile partly past M
+    (136, 512, 768, 3, st.Config(stream_k=True), False),
+    (136, 512, 768, 3, st.Config(stream_k=True), True),  # the addend through the merge
+    (256, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),  # cut 3 times
+    (40, 256, 256, 2, st.Config(stream_k=True), False),  # one tile: one block, no cut
+])
+def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend):
+    """The stream-K kernel under the Mosaic GPU interpreter, inside a scan over 2 layers:
+    the one pipeline across tile boundaries, the float32 partials written by one block and
+    merged by its neighbour in the idle pipeline buffers, the addend. (The interpreter runs
+    blocks in turn, the partials' writers first, without the semaphores.)"""
+    seed = _seed()
+    layers = 2
+    x8, w8, scale = _operands(seed, m, n, k, layers)
+    add = ((jax.random.normal(jax.random.key(seed + 1), (layers, m, n)) * 30).astype(jnp.bfloat16)
+           if with_addend else None)
+    tiles = -(-(-(-m // 8) * 8) // config.tile_m) * (n // (2 * config.tile_n))
+    assert sk.has_partials(tiles, k // config.tile_k, min(tiles, num_sms)) == (tiles > 1)
+
+    @jax.jit
+    def run(x8, w8, scale, add):
+        def body(carry, layer):
+            a = None if add is None else lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="interpret",
+                                                config=config, addend=a, num_sms=num_sms)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, scale, add)
+    assert out.shape == (layers, m, n)
+    for layer in range(layers):
+        ref = _exact(x8, w8, layer, scale)
+        if with_addend:
+            ref = ref + np.asarray(add[layer], np.float64)
+        assert np.isfinite(np.asarray(out[layer], np.float32)).all()
+        assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
+
+
+def test_stream_k_lowers_at_characters_57b_shapes():
+    """Both tilings, the four tp = 2 projections, 60 layers: lowered for CUDA within the
+    shared memory (3 stages of 128 x 256 tiles; 4 stages do not fit), no weight slice."""
+    for config in (st.Config(stream_k=True), st.Config(stream_k=True, tile_n=64, stages=4)):
+        for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
+            text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
+            assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
+    with pytest.raises(Exception, match="shared memory"):
+        _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=4))
+    with pytest.raises(ValueError, match="stream_k"):
+        from pallas_kernels import fp8_gemm_allreduce as fa
+        fa._kernel(jnp.zeros((128, 128), FP8), jnp.zeros((256, 128), FP8), jnp.zeros((64, 64)),
+                   None, axis_name=None, tp=1, out_dtype=jnp.bfloat16,
+                   config=st.Config(stream_k=True))

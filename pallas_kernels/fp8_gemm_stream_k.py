@@ -1,0 +1,350 @@
+"""Stream-K schedule of the stacked FP8 GEMM (Pallas Mosaic GPU, tp = 1).
+
+The data-parallel kernel (``fp8_gemm_allreduce._kernel`` at tp = 1) gives each of the
+persistent grid's blocks whole output tiles, so the last wave decides the time: at
+M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 SMs
+(1.64-2.86 waves), and a block computes 2 or 3 tiles where 1.64 or 2.45 would do.
+Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
+and tile, BUILD_NOTES), which is why the o projection (1.64 waves) is 1.25x cuBLASLt.
+
+Stream-K cuts the work finer.  A work unit is one K step of one output tile; the
+``tiles * k_iters`` units are dealt out in order, block ``c`` taking the contiguous
+range [c * W // C, (c + 1) * W // C) of the W units (C blocks).  Tile t's units are
+t * k_iters ... t * k_iters + k_iters - 1, so a block's range is: the end of one tile
+(its first segment), whole tiles, the start of another (its last segment).  One
+software pipeline runs through the whole range (the memory warpgroup's TMA copies do
+not stop at tile boundaries).  With C <= tiles every range holds at least k_iters
+units, so a tile is cut at most once, between two neighbouring blocks:
+
+  - the block that holds the tile's first K step ("owner", its last segment) finishes
+    the tile: scale, addend, bf16 store;
+  - the next block holds the rest as its first segment, writes that partial product
+    (float32, unscaled) to a GMEM workspace early in its run and signals a semaphore;
+    the owner, at the end of its run, waits for it (no wait in practice), loads it into
+    the now idle pipeline buffers, adds it and stores the tile.
+
+Tiles are ordered M-minor (t = ni * m_iters + mi): neighbouring blocks share the
+weight's column slab, so each slab comes from HBM about once.
+
+Shapes and dtypes (one device):
+  x      [Mx, K]    float8_e4m3fn, Mx a multiple of 8 (the last M tile is TMA-bounded)
+  w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
+  scale_tile [epi_m, epi_n] float32 (the combined scale, broadcast)
+  addend None or [Mx, N] out_dtype
+  out    [Mx, N]    out_dtype
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+FP8 = jnp.float8_e4m3fn
+KERNEL_NAME = "fp8_gemm_stream_k"
+COMPUTE_WGS = 2
+PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as bf16's 64)
+
+
+def num_ctas(tiles: int, num_sms: int) -> int:
+    """Blocks of the schedule: one per SM, never more than tiles (so that every block's
+    range holds at least one tile's K steps and a tile is cut at most once)."""
+    return max(1, min(tiles, num_sms))
+
+
+def cta_range(cta, units: int, ctas: int, div=operator.floordiv):
+    """[u0, u1): the work units of block ``cta`` (ints, or traced int32 with div=lax.div)."""
+    return div(cta * units, ctas), div((cta + 1) * units, ctas)
+
+
+def segment(u0, u1, t, k_iters: int, maximum=max, minimum=min):
+    """[kb, ke): the K steps of tile t that the range [u0, u1) holds (kb < ke when it holds
+    any). kb > 0: a partial (the block's first segment); kb == 0 and ke < k_iters: the
+    owner's cut tile (the block's last segment), finished with the next block's partial."""
+    return maximum(u0 - t * k_iters, 0), minimum(u1 - t * k_iters, k_iters)
+
+
+def plan(tiles: int, k_iters: int, ctas: int) -> list[list[tuple[int, int, int]]]:
+    """Per block, its segments (tile, kb, ke) in order, from the functions the kernel runs
+    (for tests and the benchmark's report)."""
+    units = tiles * k_iters
+    out = []
+    for c in range(ctas):
+        u0, u1 = cta_range(c, units, ctas)
+        segs = []
+        for t in range(u0 // k_iters, (u1 - 1) // k_iters + 1):
+            kb, ke = segment(u0, u1, t, k_iters)
+            segs.append((t, kb, ke))
+        out.append(segs)
+    return out
+
+
+def has_partials(tiles: int, k_iters: int, ctas: int) -> bool:
+    """Whether any block boundary cuts a tile."""
+    r = (np.arange(ctas + 1, dtype=np.int64) * tiles * k_iters) // ctas
+    return bool(np.any(r % k_iters))
+
+
+def _fence_proxy_async_global():
+    """Orders generic-proxy and async-proxy (TMA) accesses to global memory: after the
+    partial's TMA stores complete, before the signal; after the wait, before its TMA load."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
+def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
+           interpret: bool = False):
+    """Launches the stream-K kernel over ``ctas`` blocks (``num_ctas``); returns [Mx, N].
+
+    config: ``fp8_gemm_allreduce.Config`` (tile_m, tile_n per compute warpgroup, tile_k,
+    stages, epi_m, epi_n); reduce, grid order and mma_in_flight do not apply.
+    interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
+    one after another: there block ``ctas - 1`` runs first and the semaphore operations are
+    left out, so every partial is written before its owner reads it (the fences and
+    semaphores themselves are checked on the GPU only).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    c = config
+    mx, k = x.shape
+    n = w.shape[-2]
+    cta_n = COMPUTE_WGS * c.tile_n
+    if mx % 8 or n % cta_n or k % c.tile_k:
+        raise ValueError(f"shape M={mx} N={n} K={k} does not fit tiles {c}")
+    if c.tile_n % c.epi_n or c.tile_m % c.epi_m or c.epi_n % PART_EPI_N:
+        raise ValueError(f"epilogue sub-tiles do not divide the tile: {c}")
+    m_iters, n_iters, k_iters = -(-mx // c.tile_m), n // cta_n, k // c.tile_k
+    tiles = m_iters * n_iters
+    units = tiles * k_iters
+    if not 1 <= ctas <= tiles:
+        raise ValueError(f"stream-K needs 1 <= ctas <= tiles ({tiles}), got {ctas}")
+    partials = has_partials(tiles, k_iters, ctas)
+    stages = c.stages
+    num_layers = w.shape[0]
+    has_addend = addend is not None
+    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
+    in_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(c.epi_n * out_bytes * 8)
+    out_tf = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
+              plgpu.SwizzleTransform(out_swizzle))
+    f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
+    epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]
+    part_epi = [(em, en) for em in range(c.tile_m // c.epi_m)
+                for en in range(c.tile_n // PART_EPI_N)]
+
+    def body(x_ref, w_ref, scale_ref, layer_ref, *refs):
+        if has_addend:
+            addend_ref, out_ref, part_ref, stage_u, out_u, scale_smem, bars = refs
+        else:
+            addend_ref = None
+            out_ref, part_ref, stage_u, out_u, scale_smem, bars = refs
+        w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
+        if partials:
+            (x_smem, w_smem), pbuf = stage_u
+            out_smem, pstage = out_u
+        else:
+            (x_smem, w_smem), pbuf, out_smem, pstage = stage_u, None, out_u, None
+        full, empty, misc, pbars, both_done = bars
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("ctas")
+        if interpret:  # blocks run in turn: the owners (lower numbers) after their partials
+            cta = ctas - 1 - cta
+        u0, u1 = cta_range(cta, units, ctas, lax.div)
+        n_steps = u1 - u0
+        t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
+        sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
+                if partials and not interpret else None)
+
+        def tile_mn(t):
+            ni = lax.div(t, m_iters)
+            return t - ni * m_iters, ni
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, slot):
+                t = lax.div(u0 + i, k_iters)
+                kk = u0 + i - t * k_iters
+                mi, ni = tile_mn(t)
+                ks = pl.ds(kk * c.tile_k, c.tile_k)
+                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mi * c.tile_m, c.tile_m), ks],
+                                        x_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(w_l.at[pl.ds(ni * cta_n, cta_n), ks],
+                                        w_smem.at[slot], full.at[slot])
+
+            for i in range(stages):
+                pl.when(i < n_steps)(lambda i=i: issue(i, i))
+
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _refill(i):
+                slot = lax.rem(i, stages)
+                plgpu.barrier_wait(empty.at[slot])
+                issue(i + stages, slot)
+
+            # The last stages' releases: observed, so that every barrier phase is (the
+            # interpreter checks this; on the GPU it only delays this warpgroup's exit).
+            @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+            def _drain(i):
+                plgpu.barrier_wait(empty.at[lax.rem(i, stages)])
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            @pl.when(wg == 0)
+            def _load_scale():
+                plgpu.copy_gmem_to_smem(scale_ref, scale_smem, misc.at[COMPUTE_WGS])
+
+            plgpu.barrier_wait(misc.at[COMPUTE_WGS])
+
+            # A block whose first segment is a partial signals it after the next
+            # segment's first K step (its TMA stores have long completed by then).
+            first_partial = u0 - t_first * k_iters > 0
+            signal_step = (t_first + 1) * k_iters - u0
+            defer_signal = jnp.logical_and(first_partial, signal_step < n_steps)
+
+            def signal_partial():
+                plgpu.wait_smem_to_gmem(0)  # written, not only read
+                if interpret:
+                    return
+                _fence_proxy_async_global()
+                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope="gpu")
+
+            def mainloop(t, kb, ke):
+                def run(acc_ref):
+                    @pl.loop(kb, ke)
+                    def _step(kk):
+                        i = t * k_iters + kk - u0
+                        slot = lax.rem(i, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        w_half = w_smem.at[slot].at[pl.ds(wg * c.tile_n, c.tile_n)]
+                        plgpu.wgmma(acc_ref, x_smem.at[slot], w_half.transpose((1, 0)))
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[slot])
+                        if partials:
+                            pl.when(jnp.logical_and(defer_signal, i == signal_step))(
+                                signal_partial)
+                    return acc_ref[...]
+
+                return pl.run_scoped(run, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+
+            def write_partial(acc):
+                for e, (em, en) in enumerate(part_epi):
+                    rows = slice(em * c.epi_m, (em + 1) * c.epi_m)
+                    cols = slice(en * PART_EPI_N, (en + 1) * PART_EPI_N)
+                    slot = e % 2
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    pstage[wg, slot] = acc[rows, cols]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(pstage.at[wg, slot],
+                                            part_ref.at[cta, wg].at[rows, cols])
+                pl.when(jnp.logical_not(defer_signal))(signal_partial)
+
+            def store_tile(acc, t, merged):
+                mi, ni = tile_mn(t)
+                m_sl = pl.ds(mi * c.tile_m, c.tile_m)
+                n_sl = pl.ds(ni * cta_n + wg * c.tile_n, c.tile_n)
+                for e, (em, en) in enumerate(epi):
+                    rows = slice(em * c.epi_m, (em + 1) * c.epi_m)
+                    cols = slice(en * c.epi_n, (en + 1) * c.epi_n)
+                    slot = e % 2
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    y = acc[rows, cols]
+                    if merged:
+                        y = y + pbuf[wg, rows, cols]
+                    y = y * scale_smem[...]
+                    if has_addend:
+                        plgpu.copy_gmem_to_smem(addend_ref.at[m_sl, n_sl].at[rows, cols],
+                                                out_smem.at[wg, slot], misc.at[wg])
+                        plgpu.barrier_wait(misc.at[wg])
+                        y = y + out_smem[wg, slot].astype(jnp.float32)
+                    out_smem[wg, slot] = y.astype(out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                            out_ref.at[m_sl, n_sl].at[rows, cols])
+
+            def merge_and_store(acc, t):
+                # The pipeline buffers are idle once both warpgroups' last wgmma is done
+                # (this is the block's last segment: no copy is in flight).
+                plgpu.barrier_arrive(both_done)
+                plgpu.barrier_wait(both_done)
+                src = cta + 1
+                if not interpret:
+                    plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1, decrement=False,
+                                         memory_scope="gpu")
+                    _fence_proxy_async_global()
+                plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
+                plgpu.barrier_wait(pbars.at[wg])
+                store_tile(acc, t, merged=True)
+
+            @pl.loop(t_first, t_last + 1)
+            def _segment(t):
+                kb, ke = segment(u0, u1, t, k_iters, jnp.maximum, jnp.minimum)
+                acc = mainloop(t, kb, ke)
+                if not partials:
+                    store_tile(acc, t, merged=False)
+                    return
+                pl.when(kb > 0)(lambda: write_partial(acc))
+                pl.when(jnp.logical_and(kb == 0, ke == k_iters))(
+                    lambda: store_tile(acc, t, merged=False))
+                pl.when(jnp.logical_and(kb == 0, ke < k_iters))(
+                    lambda: merge_and_store(acc, t))
+
+            plgpu.wait_smem_to_gmem(0)
+
+    x_st = plgpu.SMEM((stages, c.tile_m, c.tile_k), FP8, transforms=in_tf)
+    w_st = plgpu.SMEM((stages, cta_n, c.tile_k), FP8, transforms=in_tf)
+    out_st = plgpu.SMEM((COMPUTE_WGS, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_tf)
+    if partials:
+        stage_spec = plgpu.RefUnion(
+            (x_st, w_st),
+            plgpu.SMEM((COMPUTE_WGS, c.tile_m, c.tile_n), jnp.float32, transforms=f32_tf))
+        out_spec = plgpu.RefUnion(
+            out_st,
+            plgpu.SMEM((COMPUTE_WGS, 2, c.epi_m, PART_EPI_N), jnp.float32, transforms=f32_tf))
+    else:
+        stage_spec, out_spec = (x_st, w_st), out_st
+    bars = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # full: x and w landed
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # empty
+            plgpu.Barrier(num_barriers=COMPUTE_WGS + 1),  # addend per wg; the scale
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # the partial's load per wg
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # both mainloops done (merge)
+
+    def entry(*refs):
+        n_in = 5 if has_addend else 4
+        ins, outs = refs[:n_in], refs[n_in:]
+        pl.run_scoped(lambda *scoped: body(*ins, *outs, *scoped),
+                      stage_spec, out_spec,
+                      plgpu.SMEM((c.epi_m, c.epi_n), jnp.float32), bars,
+                      collective_axes="wg")
+
+    part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if partials
+                  else (1, COMPUTE_WGS, 8, PART_EPI_N))
+    out, _ = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((mx, n), out_dtype),
+                  jax.ShapeDtypeStruct(part_shape, jnp.float32)),
+        grid=(ctas,),
+        grid_names=("ctas",),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        kernel_name=KERNEL_NAME,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
+    )(x, w, scale_tile, layer, *((addend,) if has_addend else ()))
+    return out
