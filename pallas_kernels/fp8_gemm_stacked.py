@@ -151,11 +151,11 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
     if config.stream_k:
-        tiles = -(-m8 // config.tile_m) * (n // (2 * config.tile_n))
-        ctas = _sk.num_ctas(tiles, num_sms or (INTERPRET_NUM_SMS if interpret
-                                               else _fa.device_sm_count()))
+        teams = _sk.num_teams(-(-m8 // config.tile_m), n // (2 * config.tile_n),
+                              num_sms or (INTERPRET_NUM_SMS if interpret
+                                          else _fa.device_sm_count()))
         out = _sk.kernel(x, w_stacked, scale_tile, addend, layer_arr, out_dtype=out_dtype,
-                         config=config, ctas=ctas, interpret=interpret)
+                         config=config, teams=teams, interpret=interpret)
     else:
         out, _ = _fa._kernel(
             x, w_stacked, scale_tile, addend, axis_name=None, tp=1, out_dtype=out_dtype,

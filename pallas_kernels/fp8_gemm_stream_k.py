@@ -7,24 +7,27 @@ M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 S
 Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
 and tile, BUILD_NOTES), which is why the o projection (1.64 waves) is 1.25x cuBLASLt.
 
-Stream-K cuts the work finer.  A work unit is one K step of one output tile; the
-``tiles * k_iters`` units are dealt out in order, block ``c`` taking the contiguous
-range [c * W // C, (c + 1) * W // C) of the W units (C blocks).  Tile t's units are
-t * k_iters ... t * k_iters + k_iters - 1, so a block's range is: the end of one tile
-(its first segment), whole tiles, the start of another (its last segment).  One
-software pipeline runs through the whole range (the memory warpgroup's TMA copies do
-not stop at tile boundaries).  With C <= tiles every range holds at least k_iters
-units, so a tile is cut at most once, between two neighbouring blocks:
+Stream-K cuts the work finer, along N and K, in teams.  A team is m_iters blocks, one
+per M tile (block c: team g = c // m_iters, M tile mi = c % m_iters); the members run the
+same schedule on their own rows, so they read the same weight tile at about the same
+time and it comes from HBM once (a first version dealt out single tiles: neighbours then
+read different K offsets of ~54 weight slabs at once, more than L2 holds, and it ran
+7-39% slower than the data-parallel kernel, BUILD_NOTES).  A team's work unit is one K
+step of one weight slab (cta_n columns); the ``n_iters * k_iters`` units are dealt out
+in order, team g taking the contiguous range [g * U // G, (g + 1) * U // G) of the U
+units (G teams).  Slab t's units are t * k_iters ... t * k_iters + k_iters - 1, so a
+range is: the end of one slab (its first segment), whole slabs, the start of another
+(its last segment).  One software pipeline runs through the whole range (the memory
+warpgroup's TMA copies do not stop at tile boundaries).  With G <= n_iters every range
+holds at least k_iters units, so a tile is cut at most once, between the blocks of
+neighbouring teams that own the same M tile (c and c + m_iters):
 
   - the block that holds the tile's first K step ("owner", its last segment) finishes
     the tile: scale, addend, bf16 store;
-  - the next block holds the rest as its first segment, writes that partial product
+  - the other block holds the rest as its first segment, writes that partial product
     (float32, unscaled) to a GMEM workspace early in its run and signals a semaphore;
     the owner, at the end of its run, waits for it (no wait in practice), loads it into
     the now idle pipeline buffers, adds it and stores the tile.
-
-Tiles are ordered M-minor (t = ni * m_iters + mi): neighbouring blocks share the
-weight's column slab, so each slab comes from HBM about once.
 
 Shapes and dtypes (one device):
   x      [Mx, K]    float8_e4m3fn, Mx a multiple of 8 (the last M tile is TMA-bounded)
@@ -50,10 +53,11 @@ COMPUTE_WGS = 2
 PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as bf16's 64)
 
 
-def num_ctas(tiles: int, num_sms: int) -> int:
-    """Blocks of the schedule: one per SM, never more than tiles (so that every block's
-    range holds at least one tile's K steps and a tile is cut at most once)."""
-    return max(1, min(tiles, num_sms))
+def num_teams(m_iters: int, n_iters: int, num_sms: int) -> int:
+    """Teams of m_iters blocks: as many as the SMs hold, never more than the weight's
+    slabs (so that every team's range holds a slab's K steps and a tile is cut at most
+    once). One team when M has more tiles than there are SMs."""
+    return max(1, min(n_iters, num_sms // m_iters))
 
 
 def cta_range(cta, units: int, ctas: int, div=operator.floordiv):
@@ -68,13 +72,13 @@ def segment(u0, u1, t, k_iters: int, maximum=max, minimum=min):
     return maximum(u0 - t * k_iters, 0), minimum(u1 - t * k_iters, k_iters)
 
 
-def plan(tiles: int, k_iters: int, ctas: int) -> list[list[tuple[int, int, int]]]:
-    """Per block, its segments (tile, kb, ke) in order, from the functions the kernel runs
-    (for tests and the benchmark's report)."""
-    units = tiles * k_iters
+def plan(slabs: int, k_iters: int, teams: int) -> list[list[tuple[int, int, int]]]:
+    """Per team, its segments (slab, kb, ke) in order, from the functions the kernel runs
+    (every block of the team runs them on its M tile; for tests)."""
+    units = slabs * k_iters
     out = []
-    for c in range(ctas):
-        u0, u1 = cta_range(c, units, ctas)
+    for c in range(teams):
+        u0, u1 = cta_range(c, units, teams)
         segs = []
         for t in range(u0 // k_iters, (u1 - 1) // k_iters + 1):
             kb, ke = segment(u0, u1, t, k_iters)
@@ -83,9 +87,9 @@ def plan(tiles: int, k_iters: int, ctas: int) -> list[list[tuple[int, int, int]]
     return out
 
 
-def has_partials(tiles: int, k_iters: int, ctas: int) -> bool:
-    """Whether any block boundary cuts a tile."""
-    r = (np.arange(ctas + 1, dtype=np.int64) * tiles * k_iters) // ctas
+def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
+    """Whether any team boundary cuts a slab."""
+    r = (np.arange(teams + 1, dtype=np.int64) * slabs * k_iters) // teams
     return bool(np.any(r % k_iters))
 
 
@@ -103,14 +107,15 @@ def _fence_proxy_async_global():
     fence()
 
 
-def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
+def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
            interpret: bool = False):
-    """Launches the stream-K kernel over ``ctas`` blocks (``num_ctas``); returns [Mx, N].
+    """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
+    [Mx, N].
 
     config: ``fp8_gemm_allreduce.Config`` (tile_m, tile_n per compute warpgroup, tile_k,
     stages, epi_m, epi_n); reduce, grid order and mma_in_flight do not apply.
     interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
-    one after another: there block ``ctas - 1`` runs first and the semaphore operations are
+    one after another: there the last block runs first and the semaphore operations are
     left out, so every partial is written before its owner reads it (the fences and
     semaphores themselves are checked on the GPU only).
     """
@@ -126,11 +131,11 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
     if c.tile_n % c.epi_n or c.tile_m % c.epi_m or c.epi_n % PART_EPI_N:
         raise ValueError(f"epilogue sub-tiles do not divide the tile: {c}")
     m_iters, n_iters, k_iters = -(-mx // c.tile_m), n // cta_n, k // c.tile_k
-    tiles = m_iters * n_iters
-    units = tiles * k_iters
-    if not 1 <= ctas <= tiles:
-        raise ValueError(f"stream-K needs 1 <= ctas <= tiles ({tiles}), got {ctas}")
-    partials = has_partials(tiles, k_iters, ctas)
+    units = n_iters * k_iters
+    if not 1 <= teams <= n_iters:
+        raise ValueError(f"stream-K needs 1 <= teams <= N tiles ({n_iters}), got {teams}")
+    ctas = teams * m_iters
+    partials = has_partials(n_iters, k_iters, teams)
     stages = c.stages
     num_layers = w.shape[0]
     has_addend = addend is not None
@@ -162,24 +167,21 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
         cta = lax.axis_index("ctas")
         if interpret:  # blocks run in turn: the owners (lower numbers) after their partials
             cta = ctas - 1 - cta
-        u0, u1 = cta_range(cta, units, ctas, lax.div)
+        team = lax.div(cta, m_iters)
+        mi = cta - team * m_iters
+        u0, u1 = cta_range(team, units, teams, lax.div)
         n_steps = u1 - u0
         t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
         sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
                 if partials and not interpret else None)
-
-        def tile_mn(t):
-            ni = lax.div(t, m_iters)
-            return t - ni * m_iters, ni
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
             def issue(i, slot):
-                t = lax.div(u0 + i, k_iters)
-                kk = u0 + i - t * k_iters
-                mi, ni = tile_mn(t)
+                ni = lax.div(u0 + i, k_iters)
+                kk = u0 + i - ni * k_iters
                 ks = pl.ds(kk * c.tile_k, c.tile_k)
                 plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mi * c.tile_m, c.tile_m), ks],
                                         x_smem.at[slot], full.at[slot])
@@ -254,8 +256,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
                                             part_ref.at[cta, wg].at[rows, cols])
                 pl.when(jnp.logical_not(defer_signal))(signal_partial)
 
-            def store_tile(acc, t, merged):
-                mi, ni = tile_mn(t)
+            def store_tile(acc, ni, merged):
                 m_sl = pl.ds(mi * c.tile_m, c.tile_m)
                 n_sl = pl.ds(ni * cta_n + wg * c.tile_n, c.tile_n)
                 for e, (em, en) in enumerate(epi):
@@ -282,7 +283,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, ctas: int,
                 # (this is the block's last segment: no copy is in flight).
                 plgpu.barrier_arrive(both_done)
                 plgpu.barrier_wait(both_done)
-                src = cta + 1
+                src = cta + m_iters  # the next team's block on the same M tile
                 if not interpret:
                     plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1, decrement=False,
                                          memory_scope="gpu")

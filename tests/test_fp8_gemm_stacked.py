@@ -303,59 +303,61 @@ def test_pick_config_by_wave_fill():
     assert pick(9216, 4608, m=128 * 22) == st.DEFAULT_CONFIG  # 792 tiles = 6 full waves
 
 
-@pytest.mark.parametrize("n,k,ctas", [(13824, 9216, 132), (9216, 4608, 132), (16128, 9216, 132),
-                                      (9216, 16128, 132), (8064, 9216, 132), (512, 768, 3),
-                                      (9216, 4608, 216), (9216, 4608, 1)])
-def test_stream_k_plan_covers_every_step_once(n, k, ctas):
+@pytest.mark.parametrize("n,k,teams", [(13824, 9216, 22), (9216, 4608, 22), (16128, 9216, 22),
+                                       (9216, 16128, 22), (8064, 9216, 22), (512, 768, 2),
+                                       (9216, 4608, 36), (9216, 4608, 1)])
+def test_stream_k_plan_covers_every_step_once(n, k, teams):
     """The stream-K schedule at the characters-57b shapes (tp = 2, tp = 4's MLP-up on the
-    narrow tiles) and small ones: every K step of every tile in exactly one block's range, in
-    order; a tile is cut at most once, between neighbours, the owner's last segment holding
-    its first step and the next block's first segment the rest."""
+    narrow tiles; 22 teams of 6 blocks on 132 SMs) and small ones: every K step of every
+    weight slab in exactly one team's range, in order; a slab is cut at most once, between
+    neighbours, the owner's last segment holding its first step and the next team's first
+    segment the rest."""
     config = st.pick_config(n, k) if n % 256 else st.DEFAULT_CONFIG
-    tiles = -(-760 // config.tile_m) * (n // (2 * config.tile_n))
-    k_iters = k // config.tile_k
-    ctas = min(ctas, tiles)
-    plan = sk.plan(tiles, k_iters, ctas)
-    covered = np.zeros((tiles, k_iters), np.int32)
+    m_iters, slabs, k_iters = -(-760 // config.tile_m), n // (2 * config.tile_n), k // config.tile_k
+    assert sk.num_teams(m_iters, slabs, 132) == min(22, slabs)
+    plan = sk.plan(slabs, k_iters, teams)
+    covered = np.zeros((slabs, k_iters), np.int32)
     for c, segs in enumerate(plan):
-        assert sum(ke - kb for _, kb, ke in segs) >= k_iters  # a range holds a tile's worth
+        assert sum(ke - kb for _, kb, ke in segs) >= k_iters  # a range holds a slab's worth
         for j, (t, kb, ke) in enumerate(segs):
             assert 0 <= kb < ke <= k_iters
             covered[t, kb:ke] += 1
-            if kb > 0:  # a partial: the block's first segment, its tile owned by c - 1
+            if kb > 0:  # a partial: the team's first segment, its slab owned by team c - 1
                 assert j == 0 and plan[c - 1][-1] == (t, 0, kb)
-            if ke < k_iters:  # a cut tile's owner: the block's last segment
+            if ke < k_iters:  # a cut slab's owner: the team's last segment
                 assert j == len(segs) - 1 and plan[c + 1][0] == (t, ke, k_iters)
     assert (covered == 1).all()
-    assert sk.has_partials(tiles, k_iters, ctas) == any(
+    assert sk.has_partials(slabs, k_iters, teams) == any(
         kb > 0 for segs in plan for _, kb, _ in segs)
-    with pytest.raises(ValueError, match="ctas"):
+    with pytest.raises(ValueError, match="teams"):
         x = jax.ShapeDtypeStruct((760, k), FP8)
         w = jax.ShapeDtypeStruct((2, n, k), FP8)
         jax.eval_shape(lambda x, w: sk.kernel(
             x, w, jnp.zeros((64, 64)), None, jnp.zeros((1,), jnp.int32), out_dtype=jnp.bfloat16,
-            config=config, ctas=tiles + 1), x, w)
+            config=config, teams=slabs + 1), x, w)
 
 
 @pytest.mark.parametrize("m,n,k,num_sms,config,with_addend", [
-    # 6 tiles of 6 K steps on 3 blocks... 2 M x 2 N tiles, the second M tile partly past M
-    (136, 512, 768, 3, st.Config(stream_k=True), False),
-    (136, 512, 768, 3, st.Config(stream_k=True), True),  # the addend through the merge
-    (256, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),  # cut 3 times
+    # 2 M x 3 N tiles (the second M tile partly past M), 6 K steps, 2 teams of 2 blocks
+    (136, 768, 768, 4, st.Config(stream_k=True), False),
+    (136, 768, 768, 4, st.Config(stream_k=True), True),  # the addend through the merge
+    # 1 M tile x 4 slabs of 4 K steps on 3 teams of one block: cut twice
+    (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),
     (40, 256, 256, 2, st.Config(stream_k=True), False),  # one tile: one block, no cut
 ])
 def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend):
     """The stream-K kernel under the Mosaic GPU interpreter, inside a scan over 2 layers:
     the one pipeline across tile boundaries, the float32 partials written by one block and
-    merged by its neighbour in the idle pipeline buffers, the addend. (The interpreter runs
-    blocks in turn, the partials' writers first, without the semaphores.)"""
+    merged by the next team's block in the idle pipeline buffers, the addend. (The
+    interpreter runs blocks in turn, the partials' writers first, without the semaphores.)"""
     seed = _seed()
     layers = 2
     x8, w8, scale = _operands(seed, m, n, k, layers)
     add = ((jax.random.normal(jax.random.key(seed + 1), (layers, m, n)) * 30).astype(jnp.bfloat16)
            if with_addend else None)
-    tiles = -(-(-(-m // 8) * 8) // config.tile_m) * (n // (2 * config.tile_n))
-    assert sk.has_partials(tiles, k // config.tile_k, min(tiles, num_sms)) == (tiles > 1)
+    m_iters, slabs = -(-(-(-m // 8) * 8) // config.tile_m), n // (2 * config.tile_n)
+    teams = sk.num_teams(m_iters, slabs, num_sms)
+    assert sk.has_partials(slabs, k // config.tile_k, teams) == (teams > 1)
 
     @jax.jit
     def run(x8, w8, scale, add):
