@@ -32,7 +32,8 @@ neighbouring teams that own the same M tile (c and c + m_iters):
 Shapes and dtypes (one device):
   x      [Mx, K]    float8_e4m3fn, Mx a multiple of 8 (the last M tile is TMA-bounded)
   w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
-  scale_tile [epi_m, epi_n] float32 (the combined scale, broadcast)
+  scale  [1]        float32 (x scale * w scale, read once as a scalar: no shared memory,
+                    which leaves room for 4 stages of 128 x 256 tiles)
   addend None or [Mx, N] out_dtype
   out    [Mx, N]    out_dtype
 """
@@ -107,7 +108,7 @@ def _fence_proxy_async_global():
     fence()
 
 
-def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
+def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
            interpret: bool = False):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
     [Mx, N].
@@ -152,10 +153,10 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
 
     def body(x_ref, w_ref, scale_ref, layer_ref, *refs):
         if has_addend:
-            addend_ref, out_ref, part_ref, stage_u, out_u, scale_smem, bars = refs
+            addend_ref, out_ref, part_ref, stage_u, out_u, bars = refs
         else:
             addend_ref = None
-            out_ref, part_ref, stage_u, out_u, scale_smem, bars = refs
+            out_ref, part_ref, stage_u, out_u, bars = refs
         w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
         if partials:
             (x_smem, w_smem), pbuf = stage_u
@@ -207,11 +208,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
         def _compute():
             plgpu.set_max_registers(232, action="increase")
 
-            @pl.when(wg == 0)
-            def _load_scale():
-                plgpu.copy_gmem_to_smem(scale_ref, scale_smem, misc.at[COMPUTE_WGS])
-
-            plgpu.barrier_wait(misc.at[COMPUTE_WGS])
+            scale = scale_ref[0]
 
             # A block whose first segment is a partial signals it after the next
             # segment's first K step (its TMA stores have long completed by then).
@@ -267,7 +264,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
                     y = acc[rows, cols]
                     if merged:
                         y = y + pbuf[wg, rows, cols]
-                    y = y * scale_smem[...]
+                    y = y * scale
                     if has_addend:
                         plgpu.copy_gmem_to_smem(addend_ref.at[m_sl, n_sl].at[rows, cols],
                                                 out_smem.at[wg, slot], misc.at[wg])
@@ -321,7 +318,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
         stage_spec, out_spec = (x_st, w_st), out_st
     bars = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # full: x and w landed
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # empty
-            plgpu.Barrier(num_barriers=COMPUTE_WGS + 1),  # addend per wg; the scale
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # the addend's sub-tile per wg
             plgpu.Barrier(num_barriers=COMPUTE_WGS),  # the partial's load per wg
             plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # both mainloops done (merge)
 
@@ -330,7 +327,7 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *scoped: body(*ins, *outs, *scoped),
                       stage_spec, out_spec,
-                      plgpu.SMEM((c.epi_m, c.epi_n), jnp.float32), bars,
+                      bars,
                       collective_axes="wg")
 
     part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if partials
@@ -347,5 +344,5 @@ def kernel(x, w, scale_tile, addend, layer, *, out_dtype, config, teams: int,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(x, w, scale_tile, layer, *((addend,) if has_addend else ()))
+    )(x, w, scale, layer, *((addend,) if has_addend else ()))
     return out

@@ -340,7 +340,7 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
 @pytest.mark.parametrize("m,n,k,num_sms,config,with_addend", [
     # 2 M x 3 N tiles (the second M tile partly past M), 6 K steps, 2 teams of 2 blocks
     (136, 768, 768, 4, st.Config(stream_k=True), False),
-    (136, 768, 768, 4, st.Config(stream_k=True), True),  # the addend through the merge
+    (136, 768, 768, 4, st.Config(stream_k=True, stages=4), True),  # the addend, the merge
     # 1 M tile x 4 slabs of 4 K steps on 3 teams of one block: cut twice
     (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),
     (40, 256, 256, 2, st.Config(stream_k=True), False),  # one tile: one block, no cut
@@ -378,14 +378,16 @@ def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, wit
 
 
 def test_stream_k_lowers_at_characters_57b_shapes():
-    """Both tilings, the four tp = 2 projections, 60 layers: lowered for CUDA within the
-    shared memory (3 stages of 128 x 256 tiles; 4 stages do not fit), no weight slice."""
-    for config in (st.Config(stream_k=True), st.Config(stream_k=True, tile_n=64, stages=4)):
+    """Three tilings, the four tp = 2 projections, 60 layers: lowered for CUDA within the
+    shared memory (4 stages of 128 x 256 tiles fit, the scale being a scalar; 5 do not), no
+    weight slice."""
+    for config in (st.Config(stream_k=True), st.Config(stream_k=True, stages=4),
+                   st.Config(stream_k=True, tile_n=64, stages=4)):
         for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
             text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
     with pytest.raises(Exception, match="shared memory"):
-        _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=4))
+        _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=5))
     with pytest.raises(ValueError, match="stream_k"):
         from pallas_kernels import fp8_gemm_allreduce as fa
         fa._kernel(jnp.zeros((128, 128), FP8), jnp.zeros((256, 128), FP8), jnp.zeros((64, 64)),
