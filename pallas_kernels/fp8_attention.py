@@ -86,9 +86,11 @@ _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
 IMPLS = ("auto", "reference", "pallas", "pallas-codes", "cudnn", "xla")
 # The Pallas kernel's impl names and their options: 'pallas' is attention_pallas's
-# defaults; 'pallas-codes' its fastest measured option set (BUILD_NOTES, GPU runs 14-17:
-# -5% kernel time, twice the error), for the step benchmark and the numerics harness.
-PALLAS_IMPLS = {"pallas": {}, "pallas-codes": {"p_codes": 1, "lazy_rescale": True}}
+# defaults; 'pallas-codes' its fastest measured option set (BUILD_NOTES, GPU runs 14-18:
+# run 18 58.6 vs 64.7 us at 18 heads, twice the error), for the step benchmark and the
+# numerics harness.
+PALLAS_IMPLS = {"pallas": {}, "pallas-codes": {"p_codes": 1, "lazy_rescale": True,
+                                              "wide_v_transpose": True}}
 # exp2 from float bits (``bit_exp2``): u = y + _EXP2_MAGIC has a ulp of 2^-10 for
 # |y| < 2^12, so its bits hold round(1024 y) plus a constant; shifted into the exponent
 # field they give 2^floor(y) (1 + frac(y)) (Schraudolph's approximation, <= 6.1% high),

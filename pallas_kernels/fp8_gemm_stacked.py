@@ -47,14 +47,24 @@ from pallas_kernels import fp8_gemm_stream_k as _sk
 
 FP8 = jnp.float8_e4m3fn
 Config = _fa.Config
-DEFAULT_CONFIG = Config()  # tile 128 x (2 x 128) x 128, 3 stages: the measured tp=1 path
+# The data-parallel schedule (``fp8_gemm_allreduce._kernel`` at tp = 1: whole output tiles per
+# block): 128 x (2 x 128) x 128, 3 stages.
+TILES_CONFIG = Config()
 # 128 x 128 output tiles (warpgroup tiles 64 wide), 4 stages. For N a multiple of 128 but not
-# of 256 (the MLP-up projection at tp=4: N = 8064), and where its tile count fills the last
-# wave of the persistent grid much better (``pick_config``).
-NARROW_CONFIG = Config(tile_n=64, stages=4)
-# How much slower NARROW_CONFIG's tiles are than DEFAULT_CONFIG's at equal wave fill, as
+# of 256 (the MLP-up projection at tp=4: N = 8064), and, data-parallel, where its tile count
+# fills the last wave of the persistent grid much better (``pick_config``).
+NARROW_TILES_CONFIG = Config(tile_n=64, stages=4)
+# How much slower NARROW_TILES_CONFIG's tiles are than TILES_CONFIG's at equal wave fill, as
 # measured at M = 757 on an H200 (BUILD_NOTES, "GEMM tilings"): 6-14% at the tp=2 shapes.
 NARROW_TILE_COST = 1.15
+# The stream-K schedule (``fp8_gemm_stream_k``), the default: 128 x 256 tiles with 4 stages
+# (the scale as a scalar leaves room for them), 128 x 128 with 6 where N does not tile by
+# 256. Measured on an H200 at the tp=2 shapes: per block 0.90-0.98x the data-parallel
+# kernel and 1.00x cuBLASLt (BUILD_NOTES, "Stream-K schedule").
+STREAM_K_CONFIG = Config(stream_k=True, stages=4)
+NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6)
+DEFAULT_CONFIG = STREAM_K_CONFIG
+SCHEDULES = ("stream_k", "tiles")
 IMPLS = ("auto", "pallas", "reference", "interpret")
 INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps tests fast)
 
@@ -76,21 +86,29 @@ def wave_fill(m: int, n: int, config: Config, num_sms: int) -> float:
     return tiles / (-(-tiles // num_sms) * num_sms)
 
 
-def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None) -> Config:
+def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None,
+                schedule: str = "stream_k") -> Config:
     """The tiling for an [M, K] x [N, K] product.
 
-    NARROW_CONFIG where N does not tile by 256; else DEFAULT_CONFIG, unless M is given and
-    NARROW_CONFIG's tiles fill the waves of ``num_sms`` (default: the device's SMs) more
-    than NARROW_TILE_COST times better (the qkv projection at tp=2: 648 tiles fill 98% of
-    5 waves of 132, DEFAULT's 324 tiles 82% of 3).
+    schedule='stream_k' (default): STREAM_K_CONFIG, or NARROW_STREAM_K_CONFIG where N does
+    not tile by 256 (the stream-K schedule balances any tile count; M does not matter).
+    schedule='tiles' (data-parallel): NARROW_TILES_CONFIG where N does not tile by 256; else
+    TILES_CONFIG, unless M is given and NARROW_TILES_CONFIG's tiles fill the waves of
+    ``num_sms`` (default: the device's SMs) more than NARROW_TILE_COST times better (the qkv
+    projection at tp=2: 648 tiles fill 98% of 5 waves of 132, TILES_CONFIG's 324 82% of 3).
     """
-    if not _fa.fits(k, n, DEFAULT_CONFIG):
-        return NARROW_CONFIG
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    wide = _fa.fits(k, n, TILES_CONFIG)
+    if schedule == "stream_k":
+        return STREAM_K_CONFIG if wide else NARROW_STREAM_K_CONFIG
+    if not wide:
+        return NARROW_TILES_CONFIG
     if m is None:
-        return DEFAULT_CONFIG
+        return TILES_CONFIG
     sms = num_sms or _fa.device_sm_count()
-    gain = wave_fill(m, n, NARROW_CONFIG, sms) / wave_fill(m, n, DEFAULT_CONFIG, sms)
-    return NARROW_CONFIG if gain > NARROW_TILE_COST else DEFAULT_CONFIG
+    gain = wave_fill(m, n, NARROW_TILES_CONFIG, sms) / wave_fill(m, n, TILES_CONFIG, sms)
+    return NARROW_TILES_CONFIG if gain > NARROW_TILE_COST else TILES_CONFIG
 
 
 def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None):

@@ -541,7 +541,13 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     print(f"stream-K h={h} num_sms={num_sms} {opts}: rel_err {err:.4g} (grid {err_grid:.4g}), "
           f"vs grid {diff:.3g}")
     assert err < 3e-2
-    assert diff < 1e-2  # bf16 partials: a rounding apart
+    if opts.get("p_codes"):
+        # P's e4m3 codes depend on the running max, which differs where a tile is cut, so
+        # the schedules differ by about the codes' own error (GPU run 18: 0.0114-0.0116
+        # apart at rel_err 0.009-0.019); a lost or misweighted partial is far larger.
+        assert diff < 2 * max(err, err_grid)
+    else:
+        assert diff < 1e-2  # bf16 partials: a rounding apart
 
 
 @pytest.mark.gpu

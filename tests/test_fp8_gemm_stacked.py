@@ -97,9 +97,10 @@ def test_kernel_in_interpreter_inside_scan():
 
 
 @pytest.mark.parametrize("m,n,k,layers,layer,config", [
-    (136, 512, 384, 4, 2, st.DEFAULT_CONFIG),  # two M tiles, the second partly out of bounds
+    (136, 512, 384, 4, 2, st.TILES_CONFIG),  # two M tiles, the second partly out of bounds
     (70, 256, 256, 3, 9, st.Config(tile_m=64, stages=4)),  # out of range: clamped to L - 1
-    (40, 384, 256, 2, 1, None),  # N % 256 != 0: pick_config -> NARROW_CONFIG (tp=4 MLP-up)
+    (40, 384, 256, 2, 1, st.NARROW_TILES_CONFIG),  # N % 256 != 0 (tp=4 MLP-up)
+    (40, 384, 256, 2, 1, None),  # the default: pick_config -> NARROW_STREAM_K_CONFIG
     # One wgmma left in flight across K steps; 4 tiles on the interpreter's 2 blocks, so
     # each block's second tile waits for its first (Config.mma_in_flight).
     (136, 512, 768, 2, 1, st.Config(mma_in_flight=1)),
@@ -172,8 +173,9 @@ def test_mma_in_flight_lowers_for_cuda_and_is_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config,n", [(st.DEFAULT_CONFIG, 512), (st.Config(tile_m=64, stages=4), 512),
-                                      (None, 384),  # None, N = 384: pick_config -> NARROW_CONFIG
+@pytest.mark.parametrize("config,n", [(st.TILES_CONFIG, 512), (st.Config(tile_m=64, stages=4), 512),
+                                      (None, 384),  # N = 384: NARROW_STREAM_K_CONFIG
+                                      (st.NARROW_TILES_CONFIG, 384),
                                       # 240 tiles on 132 SMs: blocks run a second tile
                                       (st.Config(mma_in_flight=1), 10240),
                                       # stream-K: 240 tiles of 4 K steps over 132 blocks
@@ -263,7 +265,7 @@ def test_addend_epilogue_on_gpu_inside_scan():
     add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
            ).astype(jnp.bfloat16)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
-    config = st.DEFAULT_CONFIG
+    config = st.TILES_CONFIG
     from pallas_kernels import fp8_gemm_allreduce as fa
 
     @jax.jit
@@ -286,21 +288,56 @@ def test_addend_epilogue_on_gpu_inside_scan():
         assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
 
 
+@pytest.mark.gpu
+def test_stream_k_addend_on_gpu_inside_scan():
+    """The default (stream-K) kernel with the epilogue addend on the hardware: M = 757,
+    30 weight slabs of 8 K steps over 22 teams of 6 blocks (cut slabs, so the merge runs
+    before the addend), 3 layers with distinct weights and addends, NaN-poisoned memory."""
+    if not st.is_supported():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+    seed = _seed()
+    m, n, k, layers = 757, 7680, 1024, 3
+    assert st.pick_config(n, k, m=m) == st.STREAM_K_CONFIG
+    x8, w8, scale = _operands(seed, m, n, k, layers)
+    add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
+           ).astype(jnp.bfloat16)
+    jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+
+    @jax.jit
+    def run(x8, w8, scale, add):
+        def body(carry, layer):
+            a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="pallas", addend=a)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, scale, add)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), seed
+    for layer in range(layers):
+        ref = _exact(x8, w8, layer, scale) + np.asarray(add[layer], np.float64)
+        assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
+
+
 def test_pick_config_by_wave_fill():
     """128 x 128 tiles only where 128 x 256 cannot tile N, or where they fill the persistent
     grid's last wave much better (characters-57b's qkv at tp=2: 648 tiles in 5 waves of 132
     vs 324 in 3); the other tp=2 projections keep 128 x 256."""
-    assert st.wave_fill(757, 13824, st.DEFAULT_CONFIG, 132) == pytest.approx(324 / 396)
-    assert st.wave_fill(757, 13824, st.NARROW_CONFIG, 132) == pytest.approx(648 / 660)
-    assert st.wave_fill(128, 256, st.DEFAULT_CONFIG, 1) == 1.0
-    pick = lambda n, k, m=757: st.pick_config(n, k, m=m, num_sms=132)
-    assert pick(13824, 9216) == st.NARROW_CONFIG  # qkv, tp=2
+    assert st.wave_fill(757, 13824, st.TILES_CONFIG, 132) == pytest.approx(324 / 396)
+    assert st.wave_fill(757, 13824, st.NARROW_TILES_CONFIG, 132) == pytest.approx(648 / 660)
+    assert st.wave_fill(128, 256, st.TILES_CONFIG, 1) == 1.0
+    pick = lambda n, k, m=757: st.pick_config(n, k, m=m, num_sms=132, schedule="tiles")
+    assert pick(13824, 9216) == st.NARROW_TILES_CONFIG  # qkv, tp=2
     for n, k in ((9216, 4608), (16128, 9216), (9216, 16128)):  # out, up, down at tp=2
-        assert pick(n, k) == st.DEFAULT_CONFIG, (n, k)
-    assert pick(8064, 9216) == st.NARROW_CONFIG  # up at tp=4: N % 256 != 0
-    assert st.pick_config(13824, 9216) == st.DEFAULT_CONFIG  # M unknown: the default
-    assert pick(13824, 9216, m=128) == st.NARROW_CONFIG  # 108 tiles busy 82% of the SMs, 54 41%
-    assert pick(9216, 4608, m=128 * 22) == st.DEFAULT_CONFIG  # 792 tiles = 6 full waves
+        assert pick(n, k) == st.TILES_CONFIG, (n, k)
+    assert pick(8064, 9216) == st.NARROW_TILES_CONFIG  # up at tp=4: N % 256 != 0
+    assert st.pick_config(13824, 9216, schedule="tiles") == st.TILES_CONFIG  # M unknown
+    assert pick(13824, 9216, m=128) == st.NARROW_TILES_CONFIG  # 108 tiles busy 82% of the SMs, 54 41%
+    assert pick(9216, 4608, m=128 * 22) == st.TILES_CONFIG  # 792 tiles = 6 full waves
+    # The default schedule, stream-K: the wide tiles wherever N tiles by 256, M aside.
+    for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
+        assert st.pick_config(n, k, m=757) == st.STREAM_K_CONFIG == st.DEFAULT_CONFIG
+    assert st.pick_config(8064, 9216) == st.NARROW_STREAM_K_CONFIG
+    with pytest.raises(ValueError, match="schedule"):
+        st.pick_config(256, 256, schedule="waves")
 
 
 @pytest.mark.parametrize("n,k,teams", [(13824, 9216, 22), (9216, 4608, 22), (16128, 9216, 22),
@@ -312,7 +349,7 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
     weight slab in exactly one team's range, in order; a slab is cut at most once, between
     neighbours, the owner's last segment holding its first step and the next team's first
     segment the rest."""
-    config = st.pick_config(n, k) if n % 256 else st.DEFAULT_CONFIG
+    config = st.pick_config(n, k)
     m_iters, slabs, k_iters = -(-760 // config.tile_m), n // (2 * config.tile_n), k // config.tile_k
     assert sk.num_teams(m_iters, slabs, 132) == min(22, slabs)
     plan = sk.plan(slabs, k_iters, teams)
