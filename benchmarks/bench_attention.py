@@ -149,8 +149,11 @@ def main():
             try:
                 f = jax.jit(lambda q, k, v, a, b, m, kw=kw: fa.attention_pallas(
                     q, k, v, a, b, m, **kw))
+                # V as the kernel takes it: V^T (made once, as a cache would hold it) or V
+                v_as = jax.jit(fa.transpose_v) if kw.get("v_transposed") else (lambda x: x)
+                vin = jax.block_until_ready(v_as(v8))
                 t0 = time.time()
-                out = poisoned_call(lambda: f(q, k8, v8, ks, vs, valid), TQ * h * D * 2)
+                out = poisoned_call(lambda: f(q, k8, vin, ks, vs, valid), TQ * h * D * 2)
                 comp = time.time() - t0
                 # also the raw (padded) kernel output: every row must be finite
                 if kw.get("q_in_kernel"):
@@ -161,7 +164,7 @@ def main():
                     q8, sc, bias = jax.jit(fa._prepare_inputs_v_in_kernel,
                                            static_argnums=(4, 5))(
                         q, ks, vs, valid, 128, kw["q_split"])
-                    vt = v8
+                    vt = vin
                 else:
                     q8, sc, bias, vt = jax.jit(fa._prepare_inputs, static_argnums=(5, 6))(
                         q, v8, ks, vs, valid, 128, kw["q_split"])
@@ -177,9 +180,9 @@ def main():
                 m = ~valid[:, None, None]
                 k2 = jnp.where(m, jnp.full_like(k8, 300.0), k8)
                 v2 = jnp.where(m, jnp.full_like(v8, -300.0), v8)
-                out2 = f(q, k2, v2, ks, vs, valid)
+                out2 = f(q, k2, v_as(v2), ks, vs, valid)
                 mask_ok = bool((out2.astype(jnp.float32) == out.astype(jnp.float32)).all())
-                tot, br, nk = cupti_times(lambda: f(q, k8, v8, ks, vs, valid), args.iters)
+                tot, br, nk = cupti_times(lambda: f(q, k8, vin, ks, vs, valid), args.iters)
                 kt, kbr, _ = cupti_times(lambda: raw_fn(q8, k8, vt, sc, bias), args.iters)
                 record(heads=h, impl=name, us_total=tot, us_kernel=kt, ctas=ctas or h * -(-TQ // 128),
                        tflops_total=flops / tot / 1e6, tflops_kernel=flops / kt / 1e6,
@@ -269,7 +272,8 @@ class _Variants(dict):
     'qk', see _fp8_attention_call; imply '_np'; '_ov' needs no '_lpv'), '_bx' (exponentials from float bits), '_qik' (the
     kernel quantizes Q itself), '_pc' / '_pcl' (P's e4m3 codes from float bits, without /
     with the low-range line; need '_lpv'), '_lz' (lazy_rescale), '_ob' (overlap='batch',
-    with the ping-pong unless '_np'), '_vw' (the wide V transpose); e.g.
+    with the ping-pong unless '_np'), '_vw' (the wide V transpose), '_vt' (V^T as a cache
+    would store it, from fa.transpose_v outside the timing: no transpose in the kernel); e.g.
     'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
     own defaults."""
 
@@ -280,11 +284,12 @@ class _Variants(dict):
                                                 "persistent", "pingpong", "l_in_pv",
                                                 "fast_unmasked", "overlap", "bit_exp2",
                                                 "q_in_kernel", "p_codes",
-                                                "lazy_rescale", "wide_v_transpose")}
+                                                "lazy_rescale", "wide_v_transpose",
+                                                "v_transposed")}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
         unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",
-                                "pc", "pcl", "lz", "ob", "vw"}
+                                "pc", "pcl", "lz", "ob", "vw", "vt"}
         if vk not in ("kv", "wt") or qs not in ("split", "single") or not st[1:].isdigit() \
                 or not st.startswith("s") or unknown:
             raise KeyError(f"bad variant {name!r} ({self.__doc__})")
@@ -296,7 +301,8 @@ class _Variants(dict):
                              "batch" if "ob" in flags else ""),
                     bit_exp2="bx" in flags, q_in_kernel="qik" in flags,
                     p_codes=2 if "pcl" in flags else 1 if "pc" in flags else 0,
-                    lazy_rescale="lz" in flags, wide_v_transpose="vw" in flags)
+                    lazy_rescale="lz" in flags, wide_v_transpose="vw" in flags,
+                    v_transposed="vt" in flags)
 
 
 def attn_kernel_us(breakdown):

@@ -578,17 +578,39 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     bias [S'] f32 (S' = S rounded up to block_kv) and vt [H, D, S'] e4m3.
     """
     q8, scales, bias = _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q=True)
-    _, h, d = q.shape
-    s_len = v.shape[0]
-    s_pad = bias.shape[0]
-    # V^T in two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose),
-    # then the key permutation inside each 16-key group (g, h2, t, v2) -> (g, t, h2, v2).
-    # As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
-    vp = jnp.pad(v, ((0, s_pad - s_len), (0, 0), (0, 0)))
-    vt = lax.optimization_barrier(jnp.transpose(vp.reshape(s_pad, h * d)))  # [H*D, S']
-    vt = vt.reshape(h * d, s_pad // 16, 2, 4, 2).transpose(0, 1, 3, 2, 4)
-    vt = vt.reshape(h, d, s_pad)
-    return q8, scales, bias, vt
+    return q8, scales, bias, transpose_v(v, block_kv)
+
+
+def _permute_keys(x, inverse=False):
+    """[..., S'] -> [..., S']: the key permutation inside each 16-key group (g, h2, t, v2)
+    -> (g, t, h2, v2) (:func:`_key_permutation`), or its inverse. S' % 16 == 0."""
+    *lead, s_pad = x.shape
+    group = (4, 2, 2) if inverse else (2, 4, 2)  # (t, h2, v2) or (h2, t, v2)
+    n = len(lead) + 1
+    return jnp.swapaxes(x.reshape(*lead, s_pad // 16, *group), n, n + 1).reshape(*lead, s_pad)
+
+
+def transpose_v(v, block_kv: int = 128):
+    """V as a cache can store it for the kernel (``attention(..., v_transposed=True)``):
+    v [..., S, H, D] -> V^T [..., H, D, S'] (same dtype), S' = S rounded up to block_kv
+    (zero slots), the keys permuted inside each 16-key group (:func:`_key_permutation`),
+    so that the wgmma reads P straight from the accumulator's registers."""
+    *lead, s_len, h, d = v.shape
+    s_pad = -(-s_len // block_kv) * block_kv
+    vp = jnp.pad(v, [(0, 0)] * len(lead) + [(0, s_pad - s_len), (0, 0), (0, 0)])
+    # Two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose), then the
+    # key permutation. As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
+    vt = jnp.swapaxes(vp.reshape(*lead, s_pad, h * d), -1, -2)
+    vt = _permute_keys(lax.optimization_barrier(vt))
+    return vt.reshape(*lead, h, d, s_pad)
+
+
+def untranspose_v(vt, s_len: int):
+    """The inverse of :func:`transpose_v`: V^T [..., H, D, S'] -> V [..., S, H, D]."""
+    *lead, h, d, s_pad = vt.shape
+    v = _permute_keys(vt.reshape(*lead, h * d, s_pad), inverse=True)
+    v = jnp.swapaxes(v, -1, -2).reshape(*lead, s_pad, h, d)
+    return v[..., :s_len, :, :]
 
 
 def stream_k_ctas(n_tiles: int, nb: int, stages: int, num_sms: int | None) -> int:
@@ -632,7 +654,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
                         block_masked=None, overlap="", bit_exp2=False, q_in_kernel=0,
-                        p_codes=0, lazy_rescale=False, wide_v_transpose=False, debug=()):
+                        p_codes=0, lazy_rescale=False, wide_v_transpose=False, vt_stored=False,
+                        debug=()):
     """The pallas kernel. q8: a tuple of P [Tq', H, D] e4m3 parts, k8 [S, H, D] e4m3, vt
     [H, D, S'] e4m3,
     scales [H, 2, Tq'] f32, bias [S'] f32 -> [Tq, H, D] (clip_out) or [Tq', H, D].
@@ -649,6 +672,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     cache stacks [L, S, H, D] and the kernel reads layer ``layer`` (clamped to [0, L))
     in place: it indexes the GMEM refs with it before the TMA copies, so XLA never
     copies the layer's K/V out of the stack.
+
+    vt_stored (with v_in_kernel): everything as v_in_kernel, except that ``vt`` is V^T as a
+    cache can store it, [(L,) H, D, S'] e4m3 from :func:`transpose_v` (S' = S rounded up to
+    block_kv, keys permuted in 16-key groups): the memory warpgroup copies each block by
+    TMA straight into the wgmma's buffer; no staging buffer, no transpose.
 
     num_ctas: the schedule. The work is H * n_qtiles tiles (tile t: head t // n_qtiles,
     query rows 128 * (t % n_qtiles) ...) of nb KV blocks each, nb * H * n_qtiles units in
@@ -739,7 +767,13 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError("reading the K/V stack in place needs v_in_kernel=True")
     num_layers = k8.shape[0] if stacked else 1
     tq_pad = -(-tq_in // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
-    s_len = vt.shape[-3] if v_in_kernel else vt.shape[-1]
+    if vt_stored and not v_in_kernel:
+        raise ValueError("vt_stored is a form of v_in_kernel=True")
+    if vt_stored and vt.shape[-1] % block_kv:
+        raise ValueError(f"vt_stored: V^T's slots {vt.shape[-1]} must be a multiple of "
+                         f"block_kv={block_kv} (transpose_v pads them)")
+    transpose_in_kernel = v_in_kernel and not vt_stored
+    s_len = k8.shape[-3] if vt_stored else (vt.shape[-3] if v_in_kernel else vt.shape[-1])
     nb = -(-s_len // block_kv)
     stages = min(stages, nb)
     n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
@@ -789,7 +823,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     # runs, where a CTA has several tiles and the shared memory allows it.
     kb = 1024
     smem_one_q = (COMPUTE_WGS * n_parts * BLOCK_Q * d + COMPUTE_WGS * BLOCK_Q * d * 2
-                  + (3 if v_in_kernel else 2) * stages * block_kv * d + 8 * kb)
+                  + (3 if transpose_in_kernel else 2) * stages * block_kv * d + 8 * kb)
     n_qbuf = 2 if (num_ctas != n_tiles and not q_in_kernel and
                    smem_one_q + COMPUTE_WGS * n_parts * BLOCK_Q * d <= 224 * kb) else 1
 
@@ -840,9 +874,11 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         signal_step = (t_first + 1) * nb - u0
         defer_signal = jnp.logical_and(u0 - t_first * nb > 0, signal_step < n_steps)
         p_bars = bars[3]
+        ones_ready = bars[4] if vt_stored and l_in_pv else None
         if v_in_kernel:
             # q_smem2 = (tiled view for the wgmma, untiled view for the TMA)
             q_smem2, q_smem2_tma = q_smem2
+        if transpose_in_kernel:
             # v_smem = (tiled V^T for the wgmma, plain alias for the transpose)
             v_smem, vt_plain = v_smem
             v_raw, v_raw_bars = bars[4]
@@ -911,6 +947,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 issue_q(t_first, 0)
             if not overlap:  # (with overlap, each segment waits for its first K)
                 plgpu.barrier_wait(k_bars.at[0])
+            if ones_ready is not None:  # the row-sum wgmma's ones, written by the memory WG
+                plgpu.barrier_wait(ones_ready)
             pl.when(wg == 1)(schedule_barrier)  # the ping-pong's offset (no-op without)
 
             @pl.loop(t_first, t_last + 1)
@@ -1421,6 +1459,10 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
             for i in range(stages):
                 pl.when(i < n_steps)(lambda i=i: issue(u0 + i, i))
+            if ones_ready is not None:  # the row-sum wgmma's operand, once
+                _fill_ones(ones_plain)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ones_ready)
 
             @pl.loop(0, jnp.maximum(n_steps - stages, 0))
             def _(i):
@@ -1429,7 +1471,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                 plgpu.barrier_wait(v_done.at[slot])
                 issue(u0 + i + stages, slot)
 
-        pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if v_in_kernel else _memory)
+        pl.when(wg == COMPUTE_WGS)(_memory_v_in_kernel if transpose_in_kernel else _memory)
 
     def entry(*refs):
         q_refs, (k_ref, vt_ref, sc_ref, bias_ref) = refs[:n_q_ops], refs[n_q_ops:n_q_ops + 4]
@@ -1445,6 +1487,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         vt_spec = plgpu.SMEM((stages, d, block_kv), F8, transforms=(t8, sw))
         if v_in_kernel:
             q_spec = plgpu.RefUnion(q_spec, plgpu.SMEM(q_shape, F8, transforms=(sw,)))
+        if transpose_in_kernel:
             # The plain alias sees the same bytes; _transpose_v_block applies the 128-byte
             # swizzle itself (for 128-byte rows the (8, 128) tiling is the identity).
             vt_spec = plgpu.RefUnion(vt_spec, plgpu.SMEM((stages, d, block_kv), F8))
@@ -1481,7 +1524,9 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),  # partial loads
         )
-        if v_in_kernel:  # untransposed V staging buffers and their TMA barriers
+        if vt_stored and l_in_pv:  # the ones operand is written
+            bars = bars + (plgpu.Barrier(num_arrivals=1),)
+        if transpose_in_kernel:  # untransposed V staging buffers and their TMA barriers
             bars = bars + ((plgpu.SMEM((stages, block_kv, d), F8),
                             plgpu.Barrier(num_barriers=stages)),)
         n_smem = len(smem)
@@ -1515,7 +1560,8 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    fast_unmasked: bool = True, overlap: str = "",
                    bit_exp2: bool = False, q_in_kernel: bool = False,
                    q_split: bool = True, p_codes: int = 0,
-                   lazy_rescale: bool = False, wide_v_transpose: bool = False) -> dict:
+                   lazy_rescale: bool = False, wide_v_transpose: bool = False,
+                   vt_stored: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
@@ -1529,7 +1575,9 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
         overlap=overlap, bit_exp2=bit_exp2,
         q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes,
-        lazy_rescale=lazy_rescale, wide_v_transpose=wide_v_transpose and v_in_kernel)
+        lazy_rescale=lazy_rescale,
+        wide_v_transpose=wide_v_transpose and v_in_kernel and not vt_stored,
+        vt_stored=vt_stored)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
@@ -1537,7 +1585,7 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                                              "pingpong", "l_in_pv", "fast_unmasked",
                                              "overlap", "bit_exp2", "q_in_kernel",
                                              "p_codes", "lazy_rescale",
-                                             "wide_v_transpose"))
+                                             "wide_v_transpose", "v_transposed"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
                      stages: int = 2, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
@@ -1545,7 +1593,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                      l_in_pv: bool = True, fast_unmasked: bool = True,
                      overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
                      p_codes: int = 0, lazy_rescale: bool = False,
-                     wide_v_transpose: bool = False):
+                     wide_v_transpose: bool = False, v_transposed: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1561,8 +1609,12 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     codes from the logits' bits instead of ex2 + cvt (1; 2 with the low-range line).
     lazy_rescale: the output's rescale only when a row's max moves by > 0.75 (log2).
     wide_v_transpose: the in-kernel V transpose with 16-byte shared loads.
+    v_transposed: ``v`` is V^T as :func:`transpose_v` makes it ([(L,) H, D, S']); the
+    kernel copies its blocks as they are (``vt_stored``: no transpose). Needs v_in_kernel.
     """
     tq, h, d = q.shape
+    if v_transposed and not v_in_kernel:
+        raise ValueError("v_transposed needs v_in_kernel=True")
     if k.dtype != F8 or v.dtype != F8:
         raise TypeError("attention_pallas needs float8_e4m3fn K/V")
     if layer is not None and not v_in_kernel:
@@ -1577,7 +1629,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               overlap=overlap, bit_exp2=bit_exp2,
                                               q_in_kernel=q_in_kernel, q_split=q_split,
                                               p_codes=p_codes, lazy_rescale=lazy_rescale,
-                                              wide_v_transpose=wide_v_transpose))
+                                              wide_v_transpose=wide_v_transpose,
+                                              vt_stored=v_transposed))
     if q_in_kernel and not v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:
@@ -1628,13 +1681,16 @@ def _layer_of(x, layer):
     return lax.dynamic_index_in_dim(x, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
 
 
-def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=None) -> jax.Array:
+def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=None,
+              v_transposed: bool = False) -> jax.Array:
     """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied); k, v: [S, H, D] float8_e4m3fn
     (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
     scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
     layer: None, or an int32 scalar (may be traced); then k and v are the cache's whole
     stacks [L, S, H, D] and layer ``layer`` is attended (clamped to [0, L)): the Pallas
     kernel reads it in place, the other impls slice it.
+    v_transposed: v is V^T as :func:`transpose_v` makes it, [(L,) H, D, S'] (how a cache
+    stores V for the kernel: no transpose per call); the other impls undo it.
     Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'pallas-codes'
     (the kernel with P's e4m3 codes from float bits and the lazy rescale) | 'cudnn' | 'xla'.
     'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
@@ -1642,7 +1698,10 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     if layer is not None and k.ndim != 4:
         raise ValueError(f"with layer, k and v must be [L, S, H, D] stacks, got {k.shape}")
     if impl in PALLAS_IMPLS:
-        return attention_pallas(q, k, v, k_scale, v_scale, valid, layer, **PALLAS_IMPLS[impl])
+        return attention_pallas(q, k, v, k_scale, v_scale, valid, layer,
+                                **PALLAS_IMPLS[impl], v_transposed=v_transposed)
+    if v_transposed:
+        v = untranspose_v(v, k.shape[-3])
     if layer is not None:
         k, v = _layer_of(k, layer), _layer_of(v, layer)
     if impl == "reference":

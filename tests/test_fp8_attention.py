@@ -368,15 +368,20 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, True, 2, True, dict(p_codes=1, lazy_rescale=True)),
     (True, True, 2, True, dict(overlap="batch", pingpong=True, p_codes=1)),
     (True, True, 2, False, dict(overlap="batch", pingpong=True, p_codes=1)),
-    (True, True, 2, True, dict(wide_v_transpose=True))], ids=_opt_id)
+    (True, True, 2, True, dict(wide_v_transpose=True)),
+    (True, True, 2, True, dict(v_transposed=True)),
+    (True, True, 3, True, dict(v_transposed=True, p_codes=1, lazy_rescale=True))],
+    ids=_opt_id)
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, opts):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
     inline register/shared-memory code). Model shape: S and Tq not multiples of 8."""
     q, k, sc, va = _model_structs()
     kw = dict(v_in_kernel=v_in_kernel, q_split=q_split, stages=stages,
               persistent=persistent, num_sms=132, **opts)
+    v = (jax.ShapeDtypeStruct((_H, _D, -(-_S // 128) * 128), fa.F8)
+         if opts.get("v_transposed") else k)
     lowered = _lower_for_cuda(jax.jit(lambda *a: fa.attention_pallas(*a, **kw)),
-                              q, k, k, sc, sc, va)
+                              q, k, v, sc, sc, va)
     text = lowered.as_text(debug_info=False)
     assert "mosaic_gpu" in text
     if v_in_kernel:  # Q's hi and lo parts are two operands: no FP8 array is concatenated
@@ -429,6 +434,59 @@ def test_layer_of_a_stack_equals_the_sliced_layer(impl):
         want = fa.attention(q, ks8[li], vs8[li], ks, vs, valid, impl=impl)
         got = f(q, ks8, vs8, ks, vs, valid, layer=jnp.int32(li))
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_transpose_v_is_the_kernels_key_order_and_inverts():
+    """transpose_v: V^T with position i of each 128-key block holding key perm[i]
+    (_key_permutation, the order the kernel's P registers imply), zero past S; stacks map
+    layer by layer; untranspose_v undoes it exactly."""
+    s, h, d = 300, 3, 128
+    v = np.random.default_rng().standard_normal((2, s, h, d)).astype(np.float32)
+    vt = np.asarray(fa.transpose_v(jnp.asarray(v)))
+    assert vt.shape == (2, h, d, 384)
+    nat = np.transpose(np.pad(v, ((0, 0), (0, 84), (0, 0), (0, 0))), (0, 2, 3, 1))
+    perm = fa._key_permutation(128)
+    want = nat.reshape(2, h, d, 3, 128)[..., perm].reshape(2, h, d, 384)
+    np.testing.assert_array_equal(vt, want)
+    assert not np.array_equal(perm, np.arange(128))  # a real permutation
+    np.testing.assert_array_equal(np.asarray(fa.untranspose_v(jnp.asarray(vt), s)), v)
+    np.testing.assert_array_equal(vt[1], np.asarray(fa.transpose_v(jnp.asarray(v[1]))))
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_v_transposed_equals_v_for_the_other_impls(impl):
+    """attention(v_transposed=True) on V^T gives exactly what V gives (the impls without
+    the kernel undo the layout), also for a stack with a layer."""
+    layers, tq, s, h, d = 2, 40, 96, 2, 128
+    q, k, v, ks, vs = _inputs(jax.random.key(12), tq, s, h, d)
+    valid = _valid(s, sink=30, masked_prefix=5)
+    want = fa.attention(q, k, v, ks, vs, valid, impl=impl)
+    got = fa.attention(q, k, fa.transpose_v(v), ks, vs, valid, impl=impl, v_transposed=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    kst, vst = jnp.stack([k, k]), jnp.stack([v, v[::-1]])
+    got1 = fa.attention(q, kst, fa.transpose_v(vst), ks, vs, valid, impl=impl, layer=1,
+                        v_transposed=True)
+    want1 = fa.attention(q, k, v[::-1], ks, vs, valid, impl=impl)
+    np.testing.assert_array_equal(np.asarray(got1, np.float32), np.asarray(want1, np.float32))
+    with pytest.raises(ValueError, match="v_transposed"):
+        fa.attention_pallas(q, k, v, ks, vs, valid, v_in_kernel=False, v_transposed=True)
+
+
+def test_v_transposed_stack_lowers_without_slicing():
+    """The kernel on the V^T stack [L, H, D, S'] with a layer: one Mosaic GPU call, no
+    dynamic-slice (the layer is a TMA coordinate), and the slot count is checked."""
+    layers, tq, s, h, d = 3, 757, 5788, 2, 128
+    args = (jax.ShapeDtypeStruct((tq, h, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((layers, s, h, d), fa.F8),
+            jax.ShapeDtypeStruct((layers, h, d, 5888), fa.F8),
+            jax.ShapeDtypeStruct((h,), jnp.float32), jax.ShapeDtypeStruct((h,), jnp.float32),
+            jax.ShapeDtypeStruct((s,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+    f = jax.jit(lambda *a: fa.attention_pallas(*a, v_transposed=True))
+    text = _lower_for_cuda(f, *args).as_text(debug_info=False)
+    assert "mosaic_gpu" in text and "dynamic_slice" not in text
+    bad = args[:2] + (jax.ShapeDtypeStruct((layers, h, d, 5792), fa.F8),) + args[3:]
+    with pytest.raises(ValueError, match="multiple of"):
+        _lower_for_cuda(f, *bad)
 
 
 # ----------------------------------------------------------------------------------------
@@ -511,6 +569,13 @@ _PC1, _PC2 = dict(p_codes=1), dict(p_codes=2)
 _LZ, _PC1_LZ = dict(lazy_rescale=True), dict(p_codes=1, lazy_rescale=True)
 _OB = dict(overlap="batch", pingpong=True, p_codes=1)
 _VW = dict(wide_v_transpose=True)
+_VT = dict(v_transposed=True)  # V^T given (as a cache stores it): no transpose in the kernel
+_PC1_LZ_VT = dict(p_codes=1, lazy_rescale=True, v_transposed=True)
+
+
+def _v_as(v, opts):
+    """V as the kernel takes it under ``opts``: V^T from transpose_v, or V itself."""
+    return fa.transpose_v(v) if opts.get("v_transposed") else v
 
 
 @pytest.mark.gpu
@@ -520,7 +585,8 @@ _VW = dict(wide_v_transpose=True)
     (3, 132, _OV), (2, 20, _OV), (18, None, _PC1), (18, None, _PC2), (36, None, _PC2),
     (3, 132, _PC2), (2, 20, _PC2), (18, None, _LZ), (18, None, _PC1_LZ), (3, 132, _PC1_LZ),
     (2, 20, _PC1_LZ), (18, None, _OB), (36, None, _OB), (3, 132, _OB), (2, 20, _OB),
-    (18, None, _VW), (2, 20, _VW)], ids=_opt_id)
+    (18, None, _VW), (2, 20, _VW), (18, None, _VT), (2, 20, _VT), (18, None, _PC1_LZ_VT),
+    (3, 132, _PC1_LZ_VT)], ids=_opt_id)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -531,9 +597,10 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     q, k, v, ks, vs = _inputs(jax.random.key(h), tq, s, h, d)
     valid = _valid(s, sink=1246, masked_prefix=200)
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
-    sk = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, num_sms=num_sms, **opts),
+    vin = _v_as(v, opts)
+    sk = np.asarray(fa.attention_pallas(q, k, vin, ks, vs, valid, num_sms=num_sms, **opts),
                     np.float32)
-    grid = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid,
+    grid = np.asarray(fa.attention_pallas(q, k, vin, ks, vs, valid,
                                           **{**opts, "persistent": False}), np.float32)
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     assert np.isfinite(sk).all()
@@ -577,18 +644,18 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
-                                  _PC1, _PC2, _PC1_LZ, _OB, _VW], ids=_opt_id)
+                                  _PC1, _PC2, _PC1_LZ, _OB, _VW, _VT, _PC1_LZ_VT], ids=_opt_id)
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128
     q, k, v, ks, vs = _inputs(jax.random.key(7), tq, s, h, d)
     valid = _valid(s, sink=400, masked_prefix=150, ring_filled=450)
     f = functools.partial(fa.attention_pallas, **opts)
-    out = f(q, k, v, ks, vs, valid)
+    out = f(q, k, _v_as(v, opts), ks, vs, valid)
     m = ~valid[:, None, None]
     k2 = jnp.where(m, jnp.full_like(k, 400.0), k)
     v2 = jnp.where(m, jnp.full_like(v, -400.0), v)
-    out2 = f(q, k2, v2, ks, vs, valid)
+    out2 = f(q, k2, _v_as(v2, opts), ks, vs, valid)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
 
 
