@@ -581,7 +581,7 @@ def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):
     return q8, scales, bias, transpose_v(v, block_kv)
 
 
-def _permute_keys(x, inverse=False):
+def permute_keys(x, inverse=False):
     """[..., S'] -> [..., S']: the key permutation inside each 16-key group (g, h2, t, v2)
     -> (g, t, h2, v2) (:func:`_key_permutation`), or its inverse. S' % 16 == 0."""
     *lead, s_pad = x.shape
@@ -601,14 +601,14 @@ def transpose_v(v, block_kv: int = 128):
     # Two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose), then the
     # key permutation. As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
     vt = jnp.swapaxes(vp.reshape(*lead, s_pad, h * d), -1, -2)
-    vt = _permute_keys(lax.optimization_barrier(vt))
+    vt = permute_keys(lax.optimization_barrier(vt))
     return vt.reshape(*lead, h, d, s_pad)
 
 
 def untranspose_v(vt, s_len: int):
     """The inverse of :func:`transpose_v`: V^T [..., H, D, S'] -> V [..., S, H, D]."""
     *lead, h, d, s_pad = vt.shape
-    v = _permute_keys(vt.reshape(*lead, h * d, s_pad), inverse=True)
+    v = permute_keys(vt.reshape(*lead, h * d, s_pad), inverse=True)
     v = jnp.swapaxes(v, -1, -2).reshape(*lead, s_pad, h, d)
     return v[..., :s_len, :, :]
 

@@ -47,20 +47,36 @@ class EngineOptions:
     Pallas kernel reads the layer in place, other impls slice it); False slices the layer
     out before the call (an XLA copy of K and V per block; kept for the ablation);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
-    (random sign per element) - a run-to-run perturbation for the numerics harness."""
+    (random sign per element) - a run-to-run perturbation for the numerics harness;
+    v_cache: how the ring FP8 cache stores V: 'auto' (= 'transposed' where the Pallas
+    attention kernel reads the cache in place, else 'plain') | 'plain' ([L, S, H, D]: the
+    kernel transposes each V block itself) | 'transposed' (the kernel's V^T [L, H, D, S'],
+    written by the cache; other attention impls undo it per call)."""
 
     attention: str = "auto"
     reduce: str = "auto"
     gemm: str = "auto"
     kv_in_place: bool = True
     noise_ulp_seed: int | None = None
+    v_cache: str = "auto"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
             raise ValueError(f"gemm must be one of {GEMM_MODES}, got {self.gemm!r}")
+        if self.v_cache not in V_CACHE_MODES:
+            raise ValueError(f"v_cache must be one of {V_CACHE_MODES}, got {self.v_cache!r}")
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
+V_CACHE_MODES = ("auto", "plain", "transposed")
+
+
+def resolve_v_cache(v_cache: str, layout: kvc.CacheLayout, attention_impl: str, kv_in_place: bool) -> bool:
+    """Whether the cache stores V transposed: 'auto' where the ring FP8 cache goes whole to the
+    Pallas kernel (``attention_impl`` resolved); 'transposed' needs the ring FP8 cache."""
+    if v_cache == "auto":
+        return layout.mode == "ring" and layout.quantized and kv_in_place and attention_impl in PALLAS_IMPLS
+    return v_cache == "transposed"
 
 
 def resolve_gemm(gemm: str, weight_dtype: str) -> str:
@@ -117,7 +133,9 @@ class Engine:
         cfg.validate_tp(mesh.size)
         self.cfg, self.mesh, self.options = cfg, mesh, options
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
-        self.layout = kvc.CacheLayout.from_config(cfg)
+        layout = kvc.CacheLayout.from_config(cfg)
+        impl = resolve_attention(options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, cfg.model.head_dim)
+        self.layout = dataclasses.replace(layout, v_transposed=resolve_v_cache(options.v_cache, layout, impl, options.kv_in_place))
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
@@ -125,7 +143,7 @@ class Engine:
         self.param_specs = param_partition_specs(self.abstract_params, rules)
         named = functools.partial(NamedSharding, mesh)
         self.param_shardings = jax.tree.map(named, self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        self.state_specs = state_partition_spec(TP)
+        self.state_specs = state_partition_spec(TP, self.layout)
         self.state_shardings = jax.tree.map(named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.replicated = named(P())
 
@@ -199,7 +217,7 @@ class Engine:
                     in_place = layout.mode == "ring" and opts.kv_in_place
                     kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
                 with jax.named_scope("attention"):
-                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None)
+                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
                 return o, c
 
             return block(x, shared_mod, attend, reduce, layer=layer)

@@ -75,7 +75,7 @@ def run_bench(args) -> dict:
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache))
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -153,6 +153,8 @@ def run_bench(args) -> dict:
         "reduce": args.reduce,
         "gemm": gen.engine.gemm,
         "kv_in_place": not args.kv_slice,
+        "v_cache": args.v_cache,
+        "v_transposed": gen.engine.layout.v_transposed,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
         "params_billion": count_params(cfg) / 1e9,
@@ -243,6 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | pallas-codes | cudnn | xla")
     p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas")
     p.add_argument("--gemm", choices=("auto", "xla", "stacked"), default="auto", help="block projections: sliced per layer (xla), read in place from the layer stack (stacked), or auto (stacked for FP8 weights on Hopper)")
+    p.add_argument("--v-cache", choices=("auto", "plain", "transposed"), default="auto", help="how the ring FP8 cache stores V: auto = transposed for the Pallas attention kernel (no transpose per call), plain = [L, S, H, D] (the kernel transposes each block; ablation)")
     p.add_argument("--kv-slice", action="store_true", help="ring cache: slice each layer's K/V out of the stack before attention (an XLA copy) instead of passing the stack (ablation)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
     p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
