@@ -179,7 +179,7 @@ def test_transposed_v_cache_is_the_same_step():
     """v_cache='transposed' (V stored as the Pallas kernel's V^T [L, H, D, S'], written by
     16-aligned windows) gives bit-identical frames to the plain [L, S, H, D] cache on CPU,
     where the reference attention undoes the layout; 9 steps at tp=2 wrap the 6-frame ring
-    and write frames at unaligned slots. 'auto' keeps V plain off the Pallas kernel."""
+    and write frames at unaligned slots."""
     from characters_jax.cache import kv_cache as kvc
 
     def run(v_cache):
@@ -201,7 +201,7 @@ def test_transposed_v_cache_is_the_same_step():
     from pallas_kernels.fp8_attention import transpose_v
     v_plain = gen_p.state.cache.v
     np.testing.assert_array_equal(np.asarray(gen_t.state.cache.v), np.asarray(transpose_v(v_plain)))
-    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # auto, no kernel: plain
+    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # the default: plain
     with pytest.raises(ValueError, match="v_cache"):
         EngineOptions(v_cache="hds")
     with pytest.raises(ValueError, match="ring"):

@@ -48,17 +48,17 @@ class EngineOptions:
     out before the call (an XLA copy of K and V per block; kept for the ablation);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
     (random sign per element) - a run-to-run perturbation for the numerics harness;
-    v_cache: how the ring FP8 cache stores V: 'auto' (= 'transposed' where the Pallas
-    attention kernel reads the cache in place, else 'plain') | 'plain' ([L, S, H, D]: the
-    kernel transposes each V block itself) | 'transposed' (the kernel's V^T [L, H, D, S'],
-    written by the cache; other attention impls undo it per call)."""
+    v_cache: how the ring FP8 cache stores V: 'plain' ([L, S, H, D]: the Pallas kernel
+    transposes each V block itself; the default until the GPU A/B in BUILD_NOTES has run) |
+    'transposed' (the kernel's V^T [L, H, D, S'], written by the cache: no transpose per
+    attention call; other attention impls undo it per call)."""
 
     attention: str = "auto"
     reduce: str = "auto"
     gemm: str = "auto"
     kv_in_place: bool = True
     noise_ulp_seed: int | None = None
-    v_cache: str = "auto"
+    v_cache: str = "plain"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
@@ -68,15 +68,7 @@ class EngineOptions:
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
-V_CACHE_MODES = ("auto", "plain", "transposed")
-
-
-def resolve_v_cache(v_cache: str, layout: kvc.CacheLayout, attention_impl: str, kv_in_place: bool) -> bool:
-    """Whether the cache stores V transposed: 'auto' where the ring FP8 cache goes whole to the
-    Pallas kernel (``attention_impl`` resolved); 'transposed' needs the ring FP8 cache."""
-    if v_cache == "auto":
-        return layout.mode == "ring" and layout.quantized and kv_in_place and attention_impl in PALLAS_IMPLS
-    return v_cache == "transposed"
+V_CACHE_MODES = ("plain", "transposed")
 
 
 def resolve_gemm(gemm: str, weight_dtype: str) -> str:
@@ -133,9 +125,7 @@ class Engine:
         cfg.validate_tp(mesh.size)
         self.cfg, self.mesh, self.options = cfg, mesh, options
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
-        layout = kvc.CacheLayout.from_config(cfg)
-        impl = resolve_attention(options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, cfg.model.head_dim)
-        self.layout = dataclasses.replace(layout, v_transposed=resolve_v_cache(options.v_cache, layout, impl, options.kv_in_place))
+        self.layout = dataclasses.replace(kvc.CacheLayout.from_config(cfg), v_transposed=options.v_cache == "transposed")
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
