@@ -618,6 +618,30 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("opts", [{}, dict(p_codes=1, lazy_rescale=True), dict(stages=3)],
+                         ids=_opt_id)
+def test_v_transposed_is_bit_identical_to_the_in_kernel_transpose(opts):
+    """V^T from the cache's layout (no transpose in the kernel) against the kernel that
+    transposes each V block itself: the same bytes reach the wgmma, so the same output bit
+    for bit, at the model's shape on the [L, ...] stacks with a layer (stream-K, 18 heads)."""
+    _require_hopper()
+    tq, s, h, d, layers = 757, 5788, 18, 128, 2
+    q, k, v, ks, vs = _inputs(jax.random.key(5), tq, s, h, d)
+    valid = _valid(s, sink=1246, masked_prefix=200)
+    kst, vst = jnp.stack([k[::-1], k]), jnp.stack([v[::-1], v])
+    jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
+    plain = fa.attention_pallas(q, kst, vst, ks, vs, valid, jnp.int32(1),
+                                **{"stages": 2, **opts})
+    vt = fa.attention_pallas(q, kst, fa.transpose_v(vst), ks, vs, valid, jnp.int32(1),
+                             v_transposed=True, **opts)
+    assert np.isfinite(np.asarray(vt, np.float32)).all()
+    if opts.get("stages", 2) == 2:
+        np.testing.assert_array_equal(np.asarray(vt, np.float32), np.asarray(plain, np.float32))
+    ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
+    assert _rel(np.asarray(vt, np.float32), ref) < 3e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_split", [True, False])
 @pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ], ids=_opt_id)
 def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
