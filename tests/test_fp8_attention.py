@@ -631,7 +631,7 @@ def test_v_transposed_is_bit_identical_to_the_in_kernel_transpose(opts):
     kst, vst = jnp.stack([k[::-1], k]), jnp.stack([v[::-1], v])
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
     plain = fa.attention_pallas(q, kst, vst, ks, vs, valid, jnp.int32(1),
-                                **{"stages": 2, **opts})
+                                **{**opts, "stages": 2})
     vt = fa.attention_pallas(q, kst, fa.transpose_v(vst), ks, vs, valid, jnp.int32(1),
                              v_transposed=True, **opts)
     assert np.isfinite(np.asarray(vt, np.float32)).all()
