@@ -78,6 +78,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8_gemm_allreduce import device_sm_count
+from pallas_kernels.mgpu_sync import fence_proxy_async_global
 
 F8 = jnp.float8_e4m3fn
 F8_MAX = 448.0
@@ -635,21 +636,6 @@ def stream_k_cta_of(unit, units: int, num_ctas: int, div=operator.floordiv):
     return div((unit + 1) * num_ctas + units - 1, units) - 1
 
 
-def _fence_proxy_async_global():
-    """Orders this thread's generic-proxy accesses to global memory with async-proxy (TMA)
-    ones: after a semaphore wait, before TMA reads of what the signaller wrote, and after
-    TMA writes have completed, before the signal."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import jax.experimental.mosaic.gpu as mgpu
-
-    @plgpu.inline_mgpu()
-    def fence(ctx):
-        del ctx
-        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-    fence()
-
-
 def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_dtype,
                         clip_out=True, v_in_kernel=False, layer=None, num_ctas=None,
                         profile_dir="", pingpong=True, l_in_pv=False, fast_unmasked=False,
@@ -923,7 +909,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
 
             def signal_partial():
                 plgpu.wait_smem_to_gmem(0)  # the partial is written, not only read
-                _fence_proxy_async_global()
+                fence_proxy_async_global()
                 plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1,
                                        memory_scope="gpu")
 
@@ -1370,7 +1356,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
                         acc, m_i, l_i = carry
                         plgpu.semaphore_wait(sems.at[c2 * COMPUTE_WGS + wg], 1,
                                              decrement=False, memory_scope="gpu")
-                        _fence_proxy_async_global()
+                        fence_proxy_async_global()
                         # o_smem: a partial is loaded and the output stored with the same
                         # layout, so each thread reads and writes the same addresses.
                         plgpu.copy_gmem_to_smem(part_ref.at[c2, wg], o_smem, p_bars.at[wg])

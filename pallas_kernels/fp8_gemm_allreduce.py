@@ -157,6 +157,21 @@ def fits(k: int, n: int, config: Config = Config()) -> bool:
     return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
 
 
+def smem_transforms(config: Config, out_dtype):
+    """Shared-memory transforms of the GEMM kernels' tiles: (for the FP8 operand tiles
+    [*, tile_k], for the output sub-tiles [epi_m, epi_n] of out_dtype), each a tiling to
+    the swizzle's width then the swizzle."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = plgpu.find_swizzle(config.tile_k * 8)  # FP8: one byte per element
+    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(config.epi_n * out_bytes * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    return in_transforms, out_transforms
+
+
 def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None,
             layer=None, num_sms=None, interpret=False):
     """Launches the Mosaic GPU kernel.
@@ -203,12 +218,7 @@ def _kernel(x, w, scale_tile, addend, *, axis_name, tp, out_dtype, config: Confi
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     if num_sms is None:
         num_sms = device_sm_count()
-    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
-    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(c.epi_n * out_bytes * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
-                      plgpu.SwizzleTransform(out_swizzle))
+    in_transforms, out_transforms = smem_transforms(c, out_dtype)
     has_addend = addend is not None
     epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
     entry_sync = c.entry_sync and tp > 1

@@ -48,6 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.fp8_gemm_allreduce import smem_transforms
+from pallas_kernels.mgpu_sync import fence_proxy_async_global
+
 FP8 = jnp.float8_e4m3fn
 KERNEL_NAME = "fp8_gemm_stream_k"
 COMPUTE_WGS = 2
@@ -94,20 +97,6 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
     return bool(np.any(r % k_iters))
 
 
-def _fence_proxy_async_global():
-    """Orders generic-proxy and async-proxy (TMA) accesses to global memory: after the
-    partial's TMA stores complete, before the signal; after the wait, before its TMA load."""
-    import jax.experimental.mosaic.gpu as mgpu
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu()
-    def fence(ctx):
-        del ctx
-        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
-
-    fence()
-
-
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
            interpret: bool = False):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
@@ -140,12 +129,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     stages = c.stages
     num_layers = w.shape[0]
     has_addend = addend is not None
-    swizzle = plgpu.find_swizzle(c.tile_k * 8)  # FP8: one byte per element
-    in_tf = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(c.epi_n * out_bytes * 8)
-    out_tf = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
-              plgpu.SwizzleTransform(out_swizzle))
+    in_tf, out_tf = smem_transforms(c, out_dtype)
     f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]
     part_epi = [(em, en) for em in range(c.tile_m // c.epi_m)
@@ -220,7 +204,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 plgpu.wait_smem_to_gmem(0)  # written, not only read
                 if interpret:
                     return
-                _fence_proxy_async_global()
+                fence_proxy_async_global()
                 plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope="gpu")
 
             def mainloop(t, kb, ke):
@@ -284,7 +268,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 if not interpret:
                     plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1, decrement=False,
                                          memory_scope="gpu")
-                    _fence_proxy_async_global()
+                    fence_proxy_async_global()
                 plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
                 plgpu.barrier_wait(pbars.at[wg])
                 store_tile(acc, t, merged=True)

@@ -253,51 +253,22 @@ def test_addend_shape_is_checked_and_lowers_for_cuda():
 
 
 @pytest.mark.gpu
-def test_addend_epilogue_on_gpu_inside_scan():
-    """The addend epilogue on the hardware (one GPU, no peers): isolates it from the fused
-    kernel's multi-GPU protocol.  M = 757, 4 layers, distinct weights and addends, tiles
-    reused by each block (16 x 3 output tiles on 8 persistent blocks)."""
+@pytest.mark.parametrize("config,n,k,num_sms", [
+    # data-parallel: 16 x 3 output tiles on 8 persistent blocks (each block reuses its tiles)
+    (st.TILES_CONFIG, 2048, 1024, 8),
+    # stream-K (the default): 30 slabs of 8 K steps over 22 teams of 6 blocks, so slabs are
+    # cut and the merge runs before the addend
+    (None, 7680, 1024, None)], ids=["tiles", "stream_k"])
+def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms):
+    """The addend epilogue on the hardware (one GPU, no peers: isolated from the fused
+    kernel's multi-GPU protocol). M = 757, 3 layers with distinct weights and addends,
+    NaN-poisoned memory."""
     if not st.is_supported():
         pytest.skip("needs an NVIDIA Hopper GPU")
     seed = _seed()
-    m, n, k, layers = 757, 2048, 1024, 4
-    x8, w8, scale = _operands(seed, m, n, k, layers)
-    add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
-           ).astype(jnp.bfloat16)
-    jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
-    config = st.TILES_CONFIG
-    from pallas_kernels import fp8_gemm_allreduce as fa
-
-    @jax.jit
-    def run(x8, w8, scale, add):
-        def body(carry, layer):
-            a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
-            m8 = -(-m // 8) * 8
-            xp = jnp.pad(x8, ((0, m8 - m), (0, 0)))
-            ap = jnp.pad(a, ((0, m8 - m), (0, 0)))
-            tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
-            y, _ = fa._kernel(xp, w8, tile, ap, axis_name=None, tp=1, out_dtype=jnp.bfloat16,
-                              config=config, layer=jnp.reshape(layer, (1,)), num_sms=8)
-            return carry, y[:m]
-        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
-
-    out = run(x8, w8, scale, add)
-    assert np.isfinite(np.asarray(out, np.float32)).all(), seed
-    for layer in range(layers):
-        ref = _exact(x8, w8, layer, scale) + np.asarray(add[layer], np.float64)
-        assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
-
-
-@pytest.mark.gpu
-def test_stream_k_addend_on_gpu_inside_scan():
-    """The default (stream-K) kernel with the epilogue addend on the hardware: M = 757,
-    30 weight slabs of 8 K steps over 22 teams of 6 blocks (cut slabs, so the merge runs
-    before the addend), 3 layers with distinct weights and addends, NaN-poisoned memory."""
-    if not st.is_supported():
-        pytest.skip("needs an NVIDIA Hopper GPU")
-    seed = _seed()
-    m, n, k, layers = 757, 7680, 1024, 3
-    assert st.pick_config(n, k, m=m) == st.STREAM_K_CONFIG
+    m, layers = 757, 3
+    if config is None:
+        assert st.pick_config(n, k, m=m) == st.STREAM_K_CONFIG
     x8, w8, scale = _operands(seed, m, n, k, layers)
     add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
            ).astype(jnp.bfloat16)
@@ -307,7 +278,8 @@ def test_stream_k_addend_on_gpu_inside_scan():
     def run(x8, w8, scale, add):
         def body(carry, layer):
             a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
-            return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="pallas", addend=a)
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="pallas", addend=a,
+                                                config=config, num_sms=num_sms)
         return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
 
     out = run(x8, w8, scale, add)
