@@ -167,17 +167,16 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         addend = addend.astype(out_dtype)
         addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     if config.stream_k:
         teams = _sk.num_teams(-(-m8 // config.tile_m), n // (2 * config.tile_n),
                               num_sms or (INTERPRET_NUM_SMS if interpret
                                           else _fa.device_sm_count()))
-        out = _sk.kernel(x, w_stacked, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)),
-                         addend, layer_arr, out_dtype=out_dtype,
+        out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
                          config=config, teams=teams, interpret=interpret)
     else:
-        scale_tile = jnp.full((config.epi_m, config.epi_n), scale, jnp.float32)
         out, _ = _fa._kernel(
-            x, w_stacked, scale_tile, addend, axis_name=None, tp=1, out_dtype=out_dtype,
+            x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
             config=config, layer=layer_arr,
             num_sms=num_sms or (INTERPRET_NUM_SMS if interpret else None), interpret=interpret)
     return out if m8 == m else out[:m]

@@ -397,8 +397,10 @@ def test_stream_k_lowers_at_characters_57b_shapes():
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
     with pytest.raises(Exception, match="shared memory"):
         _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=5))
+    # The data-parallel kernel's scale is a scalar too: 4 stages of 128 x 256 fit there.
+    _lower_scan("pallas", m=757, n=9216, k=4608, layers=4, config=st.Config(stages=4))
     with pytest.raises(ValueError, match="stream_k"):
         from pallas_kernels import fp8_gemm_allreduce as fa
-        fa._kernel(jnp.zeros((128, 128), FP8), jnp.zeros((256, 128), FP8), jnp.zeros((64, 64)),
+        fa._kernel(jnp.zeros((128, 128), FP8), jnp.zeros((256, 128), FP8), jnp.ones((1,)),
                    None, axis_name=None, tp=1, out_dtype=jnp.bfloat16,
                    config=st.Config(stream_k=True))
