@@ -21,6 +21,7 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
                                handshake on)
     fused_pallas_run1sync      the same kernel with run 1's synchronization (no entry
                                handshake): the handshake's cost is the difference
+    fused_pallas_s4            the default kernel with 4 pipeline stages instead of 3
     torch_mm+allreduce         ``_scaled_mm`` then a NCCL all-reduce (torch.distributed)
     gemm+psum+residual         gemm+psum, then the block's consumer as the model has it:
                                x + gate * y (bf16 residual, f32 [N] gate; ``dit.Block``)
@@ -158,7 +159,8 @@ def run_torch(out_dir, reps):
 def _configs(full):
     from pallas_kernels.fp8_gemm_allreduce import CONFIG_NO_ENTRY_SYNC, Config
 
-    cfgs = {"": Config(), "_run1sync": CONFIG_NO_ENTRY_SYNC}
+    # _s4: 4 stages of 128 x 256, which fit since the scale is a scalar (BUILD_NOTES)
+    cfgs = {"": Config(), "_run1sync": CONFIG_NO_ENTRY_SYNC, "_s4": Config(stages=4)}
     if full:
         cfgs.update({"_tma": Config(reduce="tma_add"),
                      "_tma_m64": Config(reduce="tma_add", tile_m=64, stages=4),
