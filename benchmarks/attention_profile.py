@@ -101,6 +101,7 @@ def main() -> int:
                         if kw["q_in_kernel"] else
                         fa._prepare_inputs_v_in_kernel(q, ks, vs, valid, BLOCK_KV,
                                                        kw["q_split"]))
+        vin = fa.transpose_v(v8) if kw.get("v_transposed") else v8  # '_vt': V^T as cached
         for sched in args.schedules.split(","):
             opts = fa.kernel_options(h, valid, tq=TQ, **{
                 **kw, "persistent": sched == "stream_k", "v_in_kernel": True})
@@ -110,7 +111,7 @@ def main() -> int:
                 a, b, c, d_, e, out_dtype=jnp.bfloat16, clip_out=False, profile_dir=pdir,
                 debug=tuple(x for x in args.debug.split(",") if x), **opts))
             for _ in range(3):
-                jax.block_until_ready(f(q8, k8, v8, sc, bias))
+                jax.block_until_ready(f(q8, k8, vin, sc, bias))
             files = sorted(glob.glob(f"{pdir}/*.json"), key=os.path.getmtime)
             if not files:
                 print(f"h={h} {sched}: no trace written in {pdir}")

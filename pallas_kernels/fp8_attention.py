@@ -1547,7 +1547,7 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                    bit_exp2: bool = False, q_in_kernel: bool = False,
                    q_split: bool = True, p_codes: int = 0,
                    lazy_rescale: bool = False, wide_v_transpose: bool = False,
-                   vt_stored: bool = False) -> dict:
+                   v_transposed: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
@@ -1562,8 +1562,8 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
         overlap=overlap, bit_exp2=bit_exp2,
         q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes,
         lazy_rescale=lazy_rescale,
-        wide_v_transpose=wide_v_transpose and v_in_kernel and not vt_stored,
-        vt_stored=vt_stored)
+        wide_v_transpose=wide_v_transpose and v_in_kernel and not v_transposed,
+        vt_stored=v_transposed)
 
 
 @functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
@@ -1616,7 +1616,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
                                               q_in_kernel=q_in_kernel, q_split=q_split,
                                               p_codes=p_codes, lazy_rescale=lazy_rescale,
                                               wide_v_transpose=wide_v_transpose,
-                                              vt_stored=v_transposed))
+                                              v_transposed=v_transposed))
     if q_in_kernel and not v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
     if v_in_kernel:
