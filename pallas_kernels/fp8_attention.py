@@ -54,6 +54,9 @@ Three implementations sit side by side:
     byte permutes, bank-conflict-free, hidden under the compute warpgroups' matmuls
     (H200: +2 us of kernel time at 18 heads, and no 25-45 us XLA transpose per call).
     ``v_in_kernel=False`` builds V^T with XLA in the wrapper (GPU run 1's kernel).
+    ``v_transposed=True`` takes V^T as a cache can store it (:func:`transpose_v`; the ring
+    cache's ``v_cache='transposed'``): its blocks go by TMA straight into the wgmma's
+    buffer, and the memory warpgroup does no transpose.
   - S need not be a multiple of the KV block: the last K block runs past S, TMA fills
     those rows with zeros and the bias masks them. Q is padded to a multiple of 128
     rows; the last output tile's store runs past Tq and TMA drops those rows. The mask
