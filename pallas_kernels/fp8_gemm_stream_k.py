@@ -5,7 +5,10 @@ persistent grid's blocks whole output tiles, so the last wave decides the time: 
 M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 SMs
 (1.64-2.86 waves), and a block computes 2 or 3 tiles where 1.64 or 2.45 would do.
 Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
-and tile, BUILD_NOTES), which is why the o projection (1.64 waves) is 1.25x cuBLASLt.
+and tile, BUILD_NOTES), which is why the o projection (1.64 waves) was 1.25x cuBLASLt.
+Measured (H200, BUILD_NOTES "Stream-K on the GPU"): per block of four projections
+0.90-0.96x the data-parallel kernel and 1.00x cuBLASLt; a fixed ~20 us per call (the
+merge, the partials, the semaphores' zero-fill) keeps the short-K o projection near it.
 
 Stream-K cuts the work finer, along N and K, in teams.  A team is m_iters blocks, one
 per M tile (block c: team g = c // m_iters, M tile mi = c % m_iters); the members run the
@@ -40,7 +43,6 @@ Shapes and dtypes (one device):
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import jax
@@ -64,15 +66,15 @@ def num_teams(m_iters: int, n_iters: int, num_sms: int) -> int:
     return max(1, min(n_iters, num_sms // m_iters))
 
 
-def cta_range(cta, units: int, ctas: int, div=operator.floordiv):
-    """[u0, u1): the work units of block ``cta`` (ints, or traced int32 with div=lax.div)."""
-    return div(cta * units, ctas), div((cta + 1) * units, ctas)
+def team_range(team, units: int, teams: int, div=operator.floordiv):
+    """[u0, u1): the work units of ``team`` (ints, or traced int32 with div=lax.div)."""
+    return div(team * units, teams), div((team + 1) * units, teams)
 
 
 def segment(u0, u1, t, k_iters: int, maximum=max, minimum=min):
-    """[kb, ke): the K steps of tile t that the range [u0, u1) holds (kb < ke when it holds
-    any). kb > 0: a partial (the block's first segment); kb == 0 and ke < k_iters: the
-    owner's cut tile (the block's last segment), finished with the next block's partial."""
+    """[kb, ke): the K steps of slab t that the range [u0, u1) holds (kb < ke when it holds
+    any). kb > 0: a partial (the team's first segment); kb == 0 and ke < k_iters: the
+    owner's cut slab (the team's last segment), finished with the next team's partial."""
     return maximum(u0 - t * k_iters, 0), minimum(u1 - t * k_iters, k_iters)
 
 
@@ -82,7 +84,7 @@ def plan(slabs: int, k_iters: int, teams: int) -> list[list[tuple[int, int, int]
     units = slabs * k_iters
     out = []
     for c in range(teams):
-        u0, u1 = cta_range(c, units, teams)
+        u0, u1 = team_range(c, units, teams)
         segs = []
         for t in range(u0 // k_iters, (u1 - 1) // k_iters + 1):
             kb, ke = segment(u0, u1, t, k_iters)
@@ -154,7 +156,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             cta = ctas - 1 - cta
         team = lax.div(cta, m_iters)
         mi = cta - team * m_iters
-        u0, u1 = cta_range(team, units, teams, lax.div)
+        u0, u1 = team_range(team, units, teams, lax.div)
         n_steps = u1 - u0
         t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
         sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
