@@ -762,8 +762,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
         raise ValueError(f"vt_stored: V^T's slots {vt.shape[-1]} must be a multiple of "
                          f"block_kv={block_kv} (transpose_v pads them)")
     transpose_in_kernel = v_in_kernel and not vt_stored
-    s_len = k8.shape[-3] if vt_stored else (vt.shape[-3] if v_in_kernel else vt.shape[-1])
-    nb = -(-s_len // block_kv)
+    nb = -(-k8.shape[-3] // block_kv)  # K is [(L,) S, H, D] whatever form V takes
     stages = min(stages, nb)
     n_qtiles = tq_pad // (COMPUTE_WGS * BLOCK_Q)
     n_tiles = h * n_qtiles

@@ -59,8 +59,8 @@ NARROW_TILES_CONFIG = Config(tile_n=64, stages=4)
 NARROW_TILE_COST = 1.15
 # The stream-K schedule (``fp8_gemm_stream_k``), the default: 128 x 256 tiles with 4 stages
 # (the scale as a scalar leaves room for them), 128 x 128 with 6 where N does not tile by
-# 256. Measured on an H200 at the tp=2 shapes: per block 0.90-0.98x the data-parallel
-# kernel and 1.00x cuBLASLt (BUILD_NOTES, "Stream-K schedule").
+# 256. Measured on an H200 at the tp=2 shapes: per block 0.90-0.96x the data-parallel
+# kernel and 1.00x cuBLASLt (BUILD_NOTES, "Stream-K on the GPU").
 STREAM_K_CONFIG = Config(stream_k=True, stages=4)
 NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6)
 DEFAULT_CONFIG = STREAM_K_CONFIG
@@ -168,17 +168,15 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    sms = num_sms or (INTERPRET_NUM_SMS if interpret else _fa.device_sm_count())
     if config.stream_k:
-        teams = _sk.num_teams(-(-m8 // config.tile_m), n // (2 * config.tile_n),
-                              num_sms or (INTERPRET_NUM_SMS if interpret
-                                          else _fa.device_sm_count()))
+        teams = _sk.num_teams(-(-m8 // config.tile_m), n // (2 * config.tile_n), sms)
         out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
                          config=config, teams=teams, interpret=interpret)
     else:
         out, _ = _fa._kernel(
             x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
-            config=config, layer=layer_arr,
-            num_sms=num_sms or (INTERPRET_NUM_SMS if interpret else None), interpret=interpret)
+            config=config, layer=layer_arr, num_sms=sms, interpret=interpret)
     return out if m8 == m else out[:m]
 
 
