@@ -274,18 +274,20 @@ class _Variants(dict):
     with the low-range line; need '_lpv'), '_lz' (lazy_rescale), '_ob' (overlap='batch',
     with the ping-pong unless '_np'), '_vw' (the wide V transpose), '_vt' (V^T as a cache
     would store it, from fa.transpose_v outside the timing: no transpose in the kernel); e.g.
-    'kv_split_s2_lpv_fast_np' (the default since GPU run 6); 'default': attention_pallas's
-    own defaults."""
+    'kv_split_s2_lpv_fast_np' (the default of GPU runs 6-19); 'default': attention_pallas's
+    own defaults (V as stored plain); 'default_vt': the same with V^T as the engine's
+    default cache stores it."""
 
     def __missing__(self, name):
-        if name == "default":  # what attention_pallas runs when given no options
+        if name in ("default", "default_vt"):  # attention_pallas given no options
             sig = inspect.signature(fa.attention_pallas).parameters
-            return {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
+            opts = {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
                                                 "persistent", "pingpong", "l_in_pv",
                                                 "fast_unmasked", "overlap", "bit_exp2",
                                                 "q_in_kernel", "p_codes",
                                                 "lazy_rescale", "wide_v_transpose",
                                                 "v_transposed")}
+            return {**opts, "v_transposed": name == "default_vt"}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
         unknown = set(flags) - {"grid", "np", "lpv", "fast", "ov", "oq", "bx", "qik",

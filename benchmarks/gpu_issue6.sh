@@ -8,11 +8,10 @@
 #        ring_stacked ring cache,    FP8 Pallas attention (K/V read in place), psum, stacked Pallas
 #                     GEMMs (projections read in place from the layer stack)
 #        ring_fused   as ring_stacked, with the fused Pallas GEMM + all-reduce
-#        ring_codes   as ring_fused, attention 'pallas-codes' (p_codes + lazy rescale; not
+#        ring_exp2    as ring_fused, attention 'pallas-exp2' (P from ex2, eager rescale; not
 #                     in the default VARIANTS)
-#        ring_vt      as ring_fused, V cached transposed for the kernel (--v-cache transposed;
+#        ring_plainv  as ring_fused, V cached plain, transposed by the kernel (--v-cache plain;
 #                     not in the default VARIANTS)
-#        ring_codes_vt  both
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
@@ -91,9 +90,8 @@ for v in $VARIANTS; do
     ring_kvslice) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked --kv-slice) ;;
     ring_stacked) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked) ;;
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
-    ring_codes)   opts=(--mode ring --attention pallas-codes --reduce "$REDUCE_FUSED" --gemm stacked) ;;
-    ring_vt)      opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache transposed) ;;
-    ring_codes_vt) opts=(--mode ring --attention pallas-codes --reduce "$REDUCE_FUSED" --gemm stacked --v-cache transposed) ;;
+    ring_exp2)    opts=(--mode ring --attention pallas-exp2 --reduce "$REDUCE_FUSED" --gemm stacked) ;;
+    ring_plainv)  opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache plain) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \

@@ -88,13 +88,13 @@ F8_MAX = 448.0
 LOG2E = math.log2(math.e)
 _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
-IMPLS = ("auto", "reference", "pallas", "pallas-codes", "cudnn", "xla")
+IMPLS = ("auto", "reference", "pallas", "pallas-exp2", "cudnn", "xla")
 # The Pallas kernel's impl names and their options: 'pallas' is attention_pallas's
-# defaults; 'pallas-codes' its fastest measured option set (BUILD_NOTES, GPU runs 14-18:
-# run 18 58.6 vs 64.7 us at 18 heads, twice the error), for the step benchmark and the
-# numerics harness.
-PALLAS_IMPLS = {"pallas": {}, "pallas-codes": {"p_codes": 1, "lazy_rescale": True,
-                                              "wide_v_transpose": True}}
+# defaults (P's e4m3 codes from the logits' bits, the lazy rescale, the wide V transpose:
+# the fastest measured set, BUILD_NOTES GPU runs 18-20); 'pallas-exp2' P from MUFU ex2 +
+# cvt and the eager rescale (half the kernel's error, ~10% slower: the comparison for the
+# step benchmark and the numerics harness).
+PALLAS_IMPLS = {"pallas": {}, "pallas-exp2": {"p_codes": 0, "lazy_rescale": False}}
 # exp2 from float bits (``bit_exp2``): u = y + _EXP2_MAGIC has a ulp of 2^-10 for
 # |y| < 2^12, so its bits hold round(1024 y) plus a constant; shifted into the exponent
 # field they give 2^floor(y) (1 + frac(y)) (Schraudolph's approximation, <= 6.1% high),
@@ -1542,18 +1542,31 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     return out
 
 
-def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int = 2,
+def default_stages(v_transposed: bool) -> int:
+    """The pipeline depth that fits shared memory and measured fastest: 3 when V arrives
+    as V^T (no transpose staging buffer; GPU run 20: 56.9 vs 58.2 us at 18 heads with 2),
+    else 2."""
+    return 3 if v_transposed else 2
+
+
+def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int | None = None,
                    v_in_kernel: bool = True, persistent: bool = True,
                    num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
                    fast_unmasked: bool = True, overlap: str = "",
                    bit_exp2: bool = False, q_in_kernel: bool = False,
-                   q_split: bool = True, p_codes: int = 0,
-                   lazy_rescale: bool = False, wide_v_transpose: bool = False,
+                   q_split: bool = True, p_codes: int | None = None,
+                   lazy_rescale: bool = True, wide_v_transpose: bool = True,
                    v_transposed: bool = False) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
     clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
     of the schedule and the per-block mask flags that the softmax options need; q_split
-    matters only with q_in_kernel (how many e4m3 parts the kernel makes of Q)."""
+    matters only with q_in_kernel (how many e4m3 parts the kernel makes of Q); stages None:
+    :func:`default_stages`; p_codes None: 1 where the other options allow it (the row sums
+    from the tensor core, no bit_exp2), else 0."""
+    if stages is None:
+        stages = default_stages(v_transposed)
+    if p_codes is None:
+        p_codes = int(l_in_pv and v_in_kernel and not bit_exp2)
     n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
     nb = -(-valid.shape[0] // block_kv)
     return dict(
@@ -1575,13 +1588,13 @@ def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int =
                                              "p_codes", "lazy_rescale",
                                              "wide_v_transpose", "v_transposed"))
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
-                     stages: int = 2, clip_out: bool = False, q_split: bool = True,
+                     stages: int | None = None, clip_out: bool = False, q_split: bool = True,
                      v_in_kernel: bool = True, persistent: bool = True,
                      num_sms: int | None = None, pingpong: bool = False,
                      l_in_pv: bool = True, fast_unmasked: bool = True,
                      overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
-                     p_codes: int = 0, lazy_rescale: bool = False,
-                     wide_v_transpose: bool = False, v_transposed: bool = False):
+                     p_codes: int | None = None, lazy_rescale: bool = True,
+                     wide_v_transpose: bool = True, v_transposed: bool = False):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1594,11 +1607,14 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     H200: -9% kernel time at 18 heads, -7% at 36; BUILD_NOTES, GPU run 6). q_in_kernel: the
     kernel quantizes Q into its e4m3 part(s) itself (needs v_in_kernel; see
     ``_fp8_attention_call``), instead of XLA passes in this wrapper. p_codes: P's e4m3
-    codes from the logits' bits instead of ex2 + cvt (1; 2 with the low-range line).
-    lazy_rescale: the output's rescale only when a row's max moves by > 0.75 (log2).
-    wide_v_transpose: the in-kernel V transpose with 16-byte shared loads.
+    codes from the logits' bits (1; 2 with the low-range line; 0: ex2 + cvt, half the
+    error, ~10% slower; None, the default: 1 where l_in_pv holds and bit_exp2 is off). lazy_rescale (default on): the output's rescale only when
+    a row's max moves by > 0.75 (log2). wide_v_transpose (default on): the in-kernel V
+    transpose with 16-byte shared loads. The three defaults are GPU runs 18-20's fastest
+    set; the step's numerics stay within the run-to-run spread (BUILD_NOTES, GPU run 21).
     v_transposed: ``v`` is V^T as :func:`transpose_v` makes it ([(L,) H, D, S']); the
     kernel copies its blocks as they are (``vt_stored``: no transpose). Needs v_in_kernel.
+    stages: the K/V pipeline depth, None for :func:`default_stages` (3 with v_transposed).
     """
     tq, h, d = q.shape
     if v_transposed and not v_in_kernel:
@@ -1679,8 +1695,8 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     kernel reads it in place, the other impls slice it.
     v_transposed: v is V^T as :func:`transpose_v` makes it, [(L,) H, D, S'] (how a cache
     stores V for the kernel: no transpose per call); the other impls undo it.
-    Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'pallas-codes'
-    (the kernel with P's e4m3 codes from float bits and the lazy rescale) | 'cudnn' | 'xla'.
+    Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'pallas-exp2'
+    (the kernel with P from ex2 + cvt and the eager rescale) | 'cudnn' | 'xla'.
     'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
     impl = resolve_impl(impl, k.dtype, q.shape[-1])
     if layer is not None and k.ndim != 4:

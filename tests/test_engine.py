@@ -200,12 +200,30 @@ def test_transposed_v_cache_is_the_same_step():
     from pallas_kernels.fp8_attention import transpose_v
     v_plain = gen_p.state.cache.v
     np.testing.assert_array_equal(np.asarray(gen_t.state.cache.v), np.asarray(transpose_v(v_plain)))
-    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # the default: plain
+    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # 'auto' off Hopper: plain
     with pytest.raises(ValueError, match="v_cache"):
         EngineOptions(v_cache="hds")
     with pytest.raises(ValueError, match="ring"):
         import dataclasses
         dataclasses.replace(layout, mode="launch")
+
+
+def test_v_cache_auto_follows_the_attention_impl():
+    """'auto' stores V^T exactly where the Pallas kernel reads it: a ring FP8 cache with a
+    Pallas impl; plain for the other impls, for bf16 and for the launch cache."""
+    import dataclasses
+    from characters_jax.engine.step import resolve_v_cache
+    from pallas_kernels.fp8_attention import _is_hopper
+
+    ring = kvc.CacheLayout.from_config(CFG)
+    assert ring.mode == "ring" and ring.quantized
+    assert resolve_v_cache("auto", "pallas", ring) and resolve_v_cache("auto", "pallas-exp2", ring)
+    for impl in ("reference", "cudnn", "xla"):
+        assert not resolve_v_cache("auto", impl, ring)
+    assert resolve_v_cache("auto", "auto", ring) == _is_hopper()  # 'auto' attention: the kernel there
+    assert not resolve_v_cache("auto", "pallas", dataclasses.replace(ring, dtype="bf16"))
+    assert not resolve_v_cache("auto", "pallas", dataclasses.replace(ring, mode="launch"))
+    assert not resolve_v_cache("plain", "pallas", ring) and resolve_v_cache("transposed", "reference", ring)
 
 
 @pytest.mark.parametrize("offset,t", [(0, 37), (5, 40), (16, 32), (1246, 757), (5031, 757), (250, 6)])

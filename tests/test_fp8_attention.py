@@ -137,8 +137,9 @@ def test_auto_on_cpu_is_the_reference_and_jits():
 @pytest.mark.parametrize("impl", sorted(fa.PALLAS_IMPLS))
 def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     """attention(impl=...) for each Pallas impl name reaches the kernel with that name's
-    options (traced and lowered for CUDA on CPU; 'pallas-codes' carries p_codes and the
-    lazy rescale), and the numerics harness resolves each to the reference off Hopper."""
+    options (traced and lowered for CUDA on CPU; 'pallas' carries p_codes and the lazy
+    rescale, 'pallas-exp2' neither), and the numerics harness resolves each to the
+    reference off Hopper."""
     from characters_jax.numerics import runs
     seen = []
     real = fa._fp8_attention_call
@@ -148,8 +149,8 @@ def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     fa.attention_pallas.clear_cache()  # trace it again, through the patched call
     _lower_for_cuda(jax.jit(lambda *a: fa.attention(*a, impl=impl)), q, k, k, sc, sc, va)
     assert seen and all(seen[-1][k_] == v_ for k_, v_ in fa.PALLAS_IMPLS[impl].items())
-    assert seen[-1]["p_codes"] == fa.PALLAS_IMPLS[impl].get("p_codes", 0)
-    name = {"pallas": "fp8-attention", "pallas-codes": "fp8-attention-codes"}[impl]
+    assert (seen[-1]["p_codes"], seen[-1]["lazy_rescale"]) == {"pallas": (1, True), "pallas-exp2": (0, False)}[impl]
+    name = {"pallas": "fp8-attention", "pallas-exp2": "fp8-attention-exp2"}[impl]
     resolved = runs.resolve(runs.VARIANTS[name], tp=2)
     if jax.default_backend() == "cpu":
         assert resolved.variant.attention == "reference" and "Hopper" in resolved.note
@@ -538,7 +539,7 @@ _OLD = dict(pingpong=True, l_in_pv=False, fast_unmasked=False)  # GPU run 5's so
     dict(overlap="pv", l_in_pv=False, fast_unmasked=False, persistent=False),
     dict(p_codes=1), dict(p_codes=2), dict(p_codes=2, fast_unmasked=False, persistent=False),
     dict(p_codes=2, pingpong=True), dict(p_codes=2, overlap="qk"), dict(lazy_rescale=True),
-    dict(p_codes=1, lazy_rescale=True),
+    dict(p_codes=1, lazy_rescale=True), dict(p_codes=0, lazy_rescale=False),
     dict(p_codes=1, lazy_rescale=True, fast_unmasked=False, persistent=False),
     dict(overlap="batch", pingpong=True), dict(overlap="batch", pingpong=True, p_codes=1),
     dict(overlap="batch", pingpong=True, p_codes=1, fast_unmasked=False, persistent=False),
@@ -571,6 +572,7 @@ _OB = dict(overlap="batch", pingpong=True, p_codes=1)
 _VW = dict(wide_v_transpose=True)
 _VT = dict(v_transposed=True)  # V^T given (as a cache stores it): no transpose in the kernel
 _PC1_LZ_VT = dict(p_codes=1, lazy_rescale=True, v_transposed=True)
+_EXP2 = dict(p_codes=0, lazy_rescale=False)  # the defaults of GPU runs 6-19 ('pallas-exp2')
 
 
 def _v_as(v, opts):
@@ -586,7 +588,8 @@ def _v_as(v, opts):
     (3, 132, _PC2), (2, 20, _PC2), (18, None, _LZ), (18, None, _PC1_LZ), (3, 132, _PC1_LZ),
     (2, 20, _PC1_LZ), (18, None, _OB), (36, None, _OB), (3, 132, _OB), (2, 20, _OB),
     (18, None, _VW), (2, 20, _VW), (18, None, _VT), (2, 20, _VT), (18, None, _PC1_LZ_VT),
-    (3, 132, _PC1_LZ_VT)], ids=_opt_id)
+    (3, 132, _PC1_LZ_VT), (18, None, _EXP2), (2, 20, _EXP2),
+    (18, None, {**_EXP2, **_VT})], ids=_opt_id)
 def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     """The stream-K schedule at the model's shape (18 and 36 heads per GPU: tiles cut over
     two or three CTAs; 3 heads on 132 CTAs: a tile over 7; 2 heads on 20) against the
@@ -608,7 +611,7 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
     print(f"stream-K h={h} num_sms={num_sms} {opts}: rel_err {err:.4g} (grid {err_grid:.4g}), "
           f"vs grid {diff:.3g}")
     assert err < 3e-2
-    if opts.get("p_codes"):
+    if fa.kernel_options(h, valid, tq=tq, **opts)["p_codes"]:  # the default, unless opted out
         # P's e4m3 codes depend on the running max, which differs where a tile is cut, so
         # the schedules differ by about the codes' own error (GPU run 18: 0.0114-0.0116
         # apart at rel_err 0.009-0.019); a lost or misweighted partial is far larger.
@@ -618,8 +621,7 @@ def test_stream_k_matches_grid_and_reference(h, num_sms, opts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [{}, dict(p_codes=1, lazy_rescale=True), dict(stages=3)],
-                         ids=_opt_id)
+@pytest.mark.parametrize("opts", [{}, _EXP2, dict(stages=3)], ids=_opt_id)
 def test_v_transposed_is_bit_identical_to_the_in_kernel_transpose(opts):
     """V^T from the cache's layout (no transpose in the kernel) against the kernel that
     transposes each V block itself: the same bytes reach the wgmma, so the same output bit
@@ -632,10 +634,11 @@ def test_v_transposed_is_bit_identical_to_the_in_kernel_transpose(opts):
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
     plain = fa.attention_pallas(q, kst, vst, ks, vs, valid, jnp.int32(1),
                                 **{**opts, "stages": 2})
+    vt_opts = {"stages": 2, **opts}  # 3, the V^T default, deals the blocks out differently
     vt = fa.attention_pallas(q, kst, fa.transpose_v(vst), ks, vs, valid, jnp.int32(1),
-                             v_transposed=True, **opts)
+                             v_transposed=True, **vt_opts)
     assert np.isfinite(np.asarray(vt, np.float32)).all()
-    if opts.get("stages", 2) == 2:
+    if vt_opts["stages"] == 2:
         np.testing.assert_array_equal(np.asarray(vt, np.float32), np.asarray(plain, np.float32))
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     assert _rel(np.asarray(vt, np.float32), ref) < 3e-2
@@ -668,7 +671,8 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", [dict(v_in_kernel=True), dict(v_in_kernel=False), _BX, _OQ,
-                                  _PC1, _PC2, _PC1_LZ, _OB, _VW, _VT, _PC1_LZ_VT], ids=_opt_id)
+                                  _PC1, _PC2, _PC1_LZ, _OB, _VW, _VT, _PC1_LZ_VT, _EXP2],
+                         ids=_opt_id)
 def test_kernel_masked_slots_have_no_influence(opts):
     _require_hopper()
     tq, s, h, d = 300, 1000, 2, 128

@@ -48,17 +48,18 @@ class EngineOptions:
     out before the call (an XLA copy of K and V per block; kept for the ablation);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
     (random sign per element) - a run-to-run perturbation for the numerics harness;
-    v_cache: how the ring FP8 cache stores V: 'plain' ([L, S, H, D]: the Pallas kernel
-    transposes each V block itself; the default until the GPU A/B in BUILD_NOTES has run) |
-    'transposed' (the kernel's V^T [L, H, D, S'], written by the cache: no transpose per
-    attention call; other attention impls undo it per call)."""
+    v_cache: how the ring FP8 cache stores V: 'auto' (the default: 'transposed' when the
+    attention resolves to the Pallas kernel on a ring FP8 cache, else 'plain') | 'plain'
+    ([L, S, H, D]: the Pallas kernel transposes each V block itself) | 'transposed' (the
+    kernel's V^T [L, H, D, S'], written by the cache: no transpose per attention call,
+    3 pipeline stages; other attention impls undo it per call)."""
 
     attention: str = "auto"
     reduce: str = "auto"
     gemm: str = "auto"
     kv_in_place: bool = True
     noise_ulp_seed: int | None = None
-    v_cache: str = "plain"
+    v_cache: str = "auto"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
@@ -68,7 +69,18 @@ class EngineOptions:
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
-V_CACHE_MODES = ("plain", "transposed")
+V_CACHE_MODES = ("auto", "plain", "transposed")
+
+
+def resolve_v_cache(v_cache: str, attention: str, layout: kvc.CacheLayout) -> bool:
+    """Whether the cache stores V transposed: 'auto' -> True where the kernel reads it (the
+    ring FP8 cache with `attention` resolving to a Pallas impl), 'transposed' -> True
+    (the layout checks that it is a ring FP8 cache), 'plain' -> False."""
+    if v_cache != "auto":
+        return v_cache == "transposed"
+    if not (layout.mode == "ring" and layout.quantized):
+        return False
+    return resolve_attention(attention, kvc.FP8, layout.head_dim) in PALLAS_IMPLS
 
 
 def resolve_gemm(gemm: str, weight_dtype: str) -> str:
@@ -125,7 +137,8 @@ class Engine:
         cfg.validate_tp(mesh.size)
         self.cfg, self.mesh, self.options = cfg, mesh, options
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
-        self.layout = dataclasses.replace(kvc.CacheLayout.from_config(cfg), v_transposed=options.v_cache == "transposed")
+        layout = kvc.CacheLayout.from_config(cfg)
+        self.layout = dataclasses.replace(layout, v_transposed=resolve_v_cache(options.v_cache, options.attention, layout))
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
