@@ -121,13 +121,18 @@ def main():
     results = []
     os.makedirs(args.out, exist_ok=True)
     log = open(args.log or f"{args.out}/attention_bench_log{args.tag}.txt", "w")
+    results_path = f"{args.out}/attention_results{args.tag}.json"
 
     def record(**r):
+        """Logs one row and rewrites the results file, so a stage cut by its time limit
+        keeps every row it finished."""
         results.append(r)
         line = json.dumps(r)
         print(line, flush=True)
         log.write(line + "\n")
         log.flush()
+        with open(results_path, "w") as fh:
+            json.dump(results, fh, indent=1)
 
     try:
         import torch  # noqa: F401
@@ -259,8 +264,6 @@ def main():
             except Exception as e:
                 record(heads=h, impl="torch", error=f"{type(e).__name__}: {e}"[:800])
 
-    with open(f"{args.out}/attention_results{args.tag}.json", "w") as fh:
-        json.dump(results, fh, indent=1)
     print_table(results)
     return 0
 

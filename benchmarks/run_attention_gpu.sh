@@ -7,7 +7,7 @@
 # CPU tests in the background on the host.
 # Usage: OUT=/some/dir bash benchmarks/run_attention_gpu.sh
 # Knobs: HEADS (18,36,72), VARIANTS_A (kv_split_s2: GPU run 5's kernel), VARIANTS_B
-# (default: attention_pallas's defaults; names in bench_attention.py's _Variants),
+# (default,default_vt: attention_pallas's defaults, plain V and V^T; names in bench_attention.py's _Variants),
 # CONTENDERS (1: cuDNN, XLA, PyTorch),
 # ITERS (20), T_A / T_B / T_TESTS (stage timeouts, s), TESTS_K (pytest -k filter of the GPU
 # tests, default all), PTXAS_B (1: ptxas -v of stage B's kernels, its register and spill
@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREA
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"
 HEADS=${HEADS:-18,36,72}
 VARIANTS_A=${VARIANTS_A:-kv_split_s2}
-VARIANTS_B=${VARIANTS_B:-default}
+VARIANTS_B=${VARIANTS_B:-default,default_vt}
 CONTENDERS=${CONTENDERS:-1}
 ITERS=${ITERS:-20}
 ( JAX_PLATFORMS=cpu timeout 120 python3 -m pytest -q -m "not gpu" -p no:cacheprovider \

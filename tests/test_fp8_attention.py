@@ -134,6 +134,38 @@ def test_auto_on_cpu_is_the_reference_and_jits():
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
 
 
+def test_default_kernel_options_resolve_per_v_layout():
+    """The defaults: P's codes, the lazy rescale and the wide transpose with plain V at 2
+    stages; with V^T no transpose at all and 3 stages; p_codes falls back to 0 where the
+    other options exclude it (bit_exp2, no tensor-core row sums) and errors when asked
+    for there; bench_attention's 'default' / 'default_vt' names are these defaults."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    from bench_attention import _Variants
+
+    valid = _valid(5788, sink=1246, masked_prefix=200)
+    plain = fa.kernel_options(18, valid, tq=757)
+    assert (plain["p_codes"], plain["lazy_rescale"], plain["wide_v_transpose"],
+            plain["vt_stored"], plain["stages"]) == (1, True, True, False, 2)
+    vt = fa.kernel_options(18, valid, tq=757, v_transposed=True)
+    assert (vt["p_codes"], vt["wide_v_transpose"], vt["vt_stored"], vt["stages"]) == (1, False, True, 3)
+    assert fa.kernel_options(18, valid, tq=757, bit_exp2=True)["p_codes"] == 0
+    assert fa.kernel_options(18, valid, tq=757, v_in_kernel=False)["p_codes"] == 0
+    assert fa.kernel_options(18, valid, tq=757, overlap="pv", l_in_pv=False)["p_codes"] == 0
+    q, k, sc, va = _model_structs()
+    with pytest.raises(ValueError, match="p_codes"):
+        _lower_for_cuda(jax.jit(functools.partial(fa.attention_pallas, p_codes=1, bit_exp2=True)),
+                        q, k, k, sc, sc, va)
+    names = _Variants()
+    for name, want in (("default", plain), ("default_vt", vt)):
+        got = fa.kernel_options(18, valid, tq=757, **names[name])
+        assert got.keys() == want.keys(), name
+        for key in got:
+            assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), (name, key)
+
+
 @pytest.mark.parametrize("impl", sorted(fa.PALLAS_IMPLS))
 def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     """attention(impl=...) for each Pallas impl name reaches the kernel with that name's

@@ -17,7 +17,7 @@ Two modes behind one interface (`write`, `attention_operands`, `end_step`, `shif
   frame always sits in the last T slots).
 
 V transposed (`CacheLayout.v_transposed`, ring + FP8 only; `EngineOptions(v_cache=
-"transposed")`): V is stored as the Pallas attention kernel reads it, V^T `[L, H, D, S']`
+"transposed")`, and "auto", the default, wherever the Pallas kernel reads the cache): V is stored as the Pallas attention kernel reads it, V^T `[L, H, D, S']`
 (S' = S rounded up to 128, keys permuted inside 16-slot groups, see
 `pallas_kernels.fp8_attention.transpose_v`), so no attention call transposes V. A write
 rewrites the 16-aligned window of slots around the new tokens (`_write_v_transposed`).
