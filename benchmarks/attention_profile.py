@@ -19,7 +19,6 @@ a 79.9 us kernel spans 159.5 k of them), so times here are in thousands of cycle
 from __future__ import annotations
 
 import argparse
-import collections
 import glob
 import json
 import os
@@ -32,45 +31,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import fp8_attention as fa  # noqa: E402
 from benchmarks.bench_attention import _Variants  # noqa: E402
+from benchmarks._common import summarize_mgpu_trace  # noqa: E402
 
 TQ, S, D, BLOCK_KV = 757, 5788, 128, 128
-
-
-def summarize(trace_file: str, warpgroups: int = fa.COMPUTE_WGS + 1) -> dict:
-    """Per-scope time (kcycles) per warpgroup role, mean over CTAs, and the mean CTA span."""
-    events = json.load(open(trace_file))["traceEvents"]
-    by_tid = collections.defaultdict(list)
-    for e in events:
-        by_tid[e["tid"]].append(e)
-    per_role = collections.defaultdict(lambda: collections.defaultdict(float))
-    spans = collections.defaultdict(lambda: [np.inf, -np.inf])
-    counts = collections.defaultdict(lambda: collections.defaultdict(int))
-    n_ctas = 0
-    for tid, evs in by_tid.items():
-        trace_idx = (tid - 1) % warpgroups
-        cta = (tid - 1) // warpgroups
-        n_ctas = max(n_ctas, cta + 1)
-        role = "memory" if trace_idx == warpgroups - 1 else "compute"
-        stack = []
-        for e in evs:
-            t = e["ts"]
-            spans[cta][0] = min(spans[cta][0], t)
-            spans[cta][1] = max(spans[cta][1], t)
-            if e["ph"] == "B":
-                stack.append((e["name"], t))
-            elif stack:
-                name, t0 = stack.pop()
-                per_role[role][name] += t - t0
-                counts[role][name] += 1
-    n_compute = n_ctas * (warpgroups - 1)
-    span = float(np.mean([b - a for a, b in spans.values()]))
-    return {
-        "ctas": n_ctas,
-        "span_kcyc": span,
-        "compute_kcyc_per_wg": {k: v / n_compute for k, v in per_role["compute"].items()},
-        "compute_calls_per_wg": {k: v / n_compute for k, v in counts["compute"].items()},
-        "memory_kcyc": {k: v / n_ctas for k, v in per_role["memory"].items()},
-    }
 
 
 def main() -> int:
@@ -87,7 +50,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.summarize:
         for f in args.summarize:
-            print(f, json.dumps(summarize(f), indent=1))
+            print(f, json.dumps(summarize_mgpu_trace(f, fa.COMPUTE_WGS + 1), indent=1))
         return 0
     results = []
     kw = _Variants()[args.variant]
@@ -116,7 +79,7 @@ def main() -> int:
             if not files:
                 print(f"h={h} {sched}: no trace written in {pdir}")
                 continue
-            r = summarize(files[-1])
+            r = summarize_mgpu_trace(files[-1], fa.COMPUTE_WGS + 1)
             r.update(heads=h, schedule=sched, variant=args.variant, debug=args.debug,
                      trace=files[-1])
             results.append(r)

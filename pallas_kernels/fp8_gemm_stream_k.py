@@ -57,6 +57,18 @@ FP8 = jnp.float8_e4m3fn
 KERNEL_NAME = "fp8_gemm_stream_k"
 COMPUTE_WGS = 2
 PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as bf16's 64)
+# The compute warpgroups' named scopes in a profile (``profile_dir``): each segment's K
+# loop, the partial's stores, a whole tile's store, the owner's wait for the partial and
+# its load, the merged tile's store, the final wait for the TMA stores.
+PROFILE_SCOPES = ("mainloop", "partial", "store", "merge_wait", "merge_store", "drain")
+
+
+def scoped(name: str, fn):
+    """fn run inside jax.named_scope(name) (a profiler range in the kernel)."""
+    def run():
+        with jax.named_scope(name):
+            fn()
+    return run
 
 
 def num_teams(m_iters: int, n_iters: int, num_sms: int) -> int:
@@ -100,7 +112,7 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
 
 
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
-           interpret: bool = False):
+           interpret: bool = False, profile_dir: str = ""):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
     [Mx, N].
 
@@ -110,6 +122,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     one after another: there the last block runs first and the semaphore operations are
     left out, so every partial is written before its owner reads it (the fences and
     semaphores themselves are checked on the GPU only).
+    profile_dir: "" or a directory where the Mosaic GPU profiler writes a per-warpgroup
+    trace of the named scopes (PROFILE_SCOPES; benchmarks/gemm_profile.py reads it).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -264,31 +278,36 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             def merge_and_store(acc, t):
                 # The pipeline buffers are idle once both warpgroups' last wgmma is done
                 # (this is the block's last segment: no copy is in flight).
-                plgpu.barrier_arrive(both_done)
-                plgpu.barrier_wait(both_done)
-                src = cta + m_iters  # the next team's block on the same M tile
-                if not interpret:
-                    plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1, decrement=False,
-                                         memory_scope="gpu")
-                    fence_proxy_async_global()
-                plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
-                plgpu.barrier_wait(pbars.at[wg])
-                store_tile(acc, t, merged=True)
+                with jax.named_scope("merge_wait"):
+                    plgpu.barrier_arrive(both_done)
+                    plgpu.barrier_wait(both_done)
+                    src = cta + m_iters  # the next team's block on the same M tile
+                    if not interpret:
+                        plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
+                                             decrement=False, memory_scope="gpu")
+                        fence_proxy_async_global()
+                    plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
+                    plgpu.barrier_wait(pbars.at[wg])
+                with jax.named_scope("merge_store"):
+                    store_tile(acc, t, merged=True)
 
             @pl.loop(t_first, t_last + 1)
             def _segment(t):
                 kb, ke = segment(u0, u1, t, k_iters, jnp.maximum, jnp.minimum)
-                acc = mainloop(t, kb, ke)
+                with jax.named_scope("mainloop"):
+                    acc = mainloop(t, kb, ke)
                 if not partials:
-                    store_tile(acc, t, merged=False)
+                    with jax.named_scope("store"):
+                        store_tile(acc, t, merged=False)
                     return
-                pl.when(kb > 0)(lambda: write_partial(acc))
+                pl.when(kb > 0)(scoped("partial", lambda: write_partial(acc)))
                 pl.when(jnp.logical_and(kb == 0, ke == k_iters))(
-                    lambda: store_tile(acc, t, merged=False))
+                    scoped("store", lambda: store_tile(acc, t, merged=False)))
                 pl.when(jnp.logical_and(kb == 0, ke < k_iters))(
                     lambda: merge_and_store(acc, t))
 
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("drain"):
+                plgpu.wait_smem_to_gmem(0)
 
     x_st = plgpu.SMEM((stages, c.tile_m, c.tile_k), FP8, transforms=in_tf)
     w_st = plgpu.SMEM((stages, cta_n, c.tile_k), FP8, transforms=in_tf)
@@ -328,7 +347,11 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         thread_name="wg",
         kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+            # ranges per warpgroup: two per segment (a range has at most
+            # ceil(n_iters / teams) + 1 of them), the merge's two and the drain
+            profile_space=2 * (-(-n_iters // teams) + 1) + 4 if profile_dir else 0,
+            profile_dir=profile_dir),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(x, w, scale, layer, *((addend,) if has_addend else ()))
     return out

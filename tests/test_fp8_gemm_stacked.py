@@ -404,3 +404,21 @@ def test_stream_k_lowers_at_characters_57b_shapes():
         fa._kernel(jnp.zeros((128, 128), FP8), jnp.zeros((256, 128), FP8), jnp.ones((1,)),
                    None, axis_name=None, tp=1, out_dtype=jnp.bfloat16,
                    config=st.Config(stream_k=True))
+
+
+def test_stream_k_profile_build_keeps_its_results(tmp_path):
+    """profile_dir (benchmarks/gemm_profile.py) only wraps the kernel's steps in named
+    scopes: under the interpreter the profiled build still matches the exact product, with
+    partials cut and merged. (Its CUDA lowering needs a GPU backend: the trace is dumped
+    by a host callback; the GPU run of gemm_profile.py checks its error too.)"""
+    from pallas_kernels import fp8_gemm_stream_k as sk
+
+    config = st.Config(stream_k=True, stages=4)
+    m, n, k = 136, 768, 768
+    x8, w8, scale = _operands(_seed(), m, n, k, 2)
+    teams = sk.num_teams(2, n // (2 * config.tile_n), 4)
+    assert sk.has_partials(n // (2 * config.tile_n), k // config.tile_k, teams)
+    out = jax.jit(lambda x, w: sk.kernel(
+        x, w, jnp.reshape(scale, (1,)), None, jnp.ones((1,), jnp.int32), out_dtype=jnp.bfloat16,
+        config=config, teams=teams, interpret=True, profile_dir=str(tmp_path)))(x8, w8)
+    assert _rel_err(out, _exact(x8, w8, 1, scale)) < 4e-3
