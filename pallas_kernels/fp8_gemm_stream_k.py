@@ -7,8 +7,11 @@ M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 S
 Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
 and tile, BUILD_NOTES), which is why the o projection (1.64 waves) was 1.25x cuBLASLt.
 Measured (H200, BUILD_NOTES "Stream-K on the GPU"): per block of four projections
-0.90-0.96x the data-parallel kernel and 1.00x cuBLASLt; a fixed ~20 us per call (the
-merge, the partials, the semaphores' zero-fill) keeps the short-K o projection near it.
+0.90-0.96x the data-parallel kernel and 0.98-1.00x cuBLASLt. Its profile
+(benchmarks/gemm_profile.py) puts the K loop at the tensor cores' peak (1.04-1.08x the
+1,024 cycles of a 128 x 256 x 128 step) and a fixed 14-17 kcycles per block outside it
+(the merge's wait and load, the float32 partial's stores, the bf16 stores) plus ~4 kcycles
+of tail: 22% of the short-K o projection, which stays 1.2x cuBLASLt.
 
 Stream-K cuts the work finer, along N and K, in teams.  A team is m_iters blocks, one
 per M tile (block c: team g = c // m_iters, M tile mi = c % m_iters); the members run the
