@@ -164,7 +164,7 @@ def main():
                 if kw.get("q_in_kernel"):
                     q8, sc, bias = jax.jit(fa._prepare_inputs_q_in_kernel,
                                            static_argnums=(4,))(q, ks, vs, valid, 128)
-                    vt = v8
+                    vt = vin
                 elif kw["v_in_kernel"]:
                     q8, sc, bias = jax.jit(fa._prepare_inputs_v_in_kernel,
                                            static_argnums=(4, 5))(

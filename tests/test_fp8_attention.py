@@ -403,7 +403,8 @@ def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
     (True, True, 2, False, dict(overlap="batch", pingpong=True, p_codes=1)),
     (True, True, 2, True, dict(wide_v_transpose=True)),
     (True, True, 2, True, dict(v_transposed=True)),
-    (True, True, 3, True, dict(v_transposed=True, p_codes=1, lazy_rescale=True))],
+    (True, True, 3, True, dict(v_transposed=True, p_codes=1, lazy_rescale=True)),
+    (True, True, 3, True, dict(v_transposed=True, q_in_kernel=True))],
     ids=_opt_id)
 def test_kernel_lowers_to_mosaic_gpu_on_cpu(v_in_kernel, q_split, stages, persistent, opts):
     """Traces and lowers the kernel for CUDA without a GPU (layouts, shapes, wgmma, the
@@ -678,7 +679,8 @@ def test_v_transposed_is_bit_identical_to_the_in_kernel_transpose(opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_split", [True, False])
-@pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ], ids=_opt_id)
+@pytest.mark.parametrize("opts", [{}, dict(persistent=False), dict(num_sms=20), _OQ, _VT],
+                         ids=_opt_id)
 def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
     """The kernel quantizing Q itself against the same kernel fed the wrapper's e4m3 parts:
     within a rounding (q * (1/s) vs q / s), every row finite; with the split, against the
@@ -688,9 +690,10 @@ def test_q_in_kernel_matches_the_wrapper_quantization(q_split, opts):
     q, k, v, ks, vs = _inputs(jax.random.key(13), tq, s, h, d)
     valid = _valid(s, sink=1246, masked_prefix=200)
     jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # poison the pool
-    mine = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, q_split=q_split,
+    vin = _v_as(v, opts)
+    mine = np.asarray(fa.attention_pallas(q, k, vin, ks, vs, valid, q_split=q_split,
                                           q_in_kernel=True, **opts), np.float32)
-    theirs = np.asarray(fa.attention_pallas(q, k, v, ks, vs, valid, q_split=q_split, **opts),
+    theirs = np.asarray(fa.attention_pallas(q, k, vin, ks, vs, valid, q_split=q_split, **opts),
                         np.float32)
     ref = fa.attention_reference(q.astype(jnp.float32), k, v, ks, vs, valid)
     assert np.isfinite(mine).all()
