@@ -73,17 +73,18 @@ SHAPES = {
 }
 PASSES = 4  # denoising passes per step (default sampler: 5 sigmas)
 VARIANTS = ("xla_stacked", "kernel", "kernel_m760", "kernel_m64", "xla_single")
-_CONFIG_SPEC = re.compile(r"m(\d+)n(\d+)s(\d+)(?:w(\d+))?(?:f(\d+))?(k)?$")
+_CONFIG_SPEC = re.compile(r"m(\d+)n(\d+)s(\d+)(?:w(\d+))?(?:f(\d+))?(k)?(a)?$")
 
 
 def parse_config(spec: str):
     """'m128n64s4' -> Config(tile_m=128, tile_n=64, stages=4); 'm64n128s4w8' also sets
-    grid_tile_width=8, 'm128n128s3f1' mma_in_flight=1, 'm128n128s3k' the stream-K schedule."""
+    grid_tile_width=8, 'm128n128s3f1' mma_in_flight=1, 'm128n128s3k' the stream-K schedule,
+    'm128n128s4ka' stream-K with the cut tiles summed by TMA reduce-add."""
     from pallas_kernels import fp8_gemm_stacked as st
     m = _CONFIG_SPEC.match(spec)
     if not m:
         raise ValueError(f"config spec {spec!r}: want m<tile_m>n<tile_n>s<stages>[w<width>]"
-                         "[f<mma_in_flight>][k]")
+                         "[f<mma_in_flight>][k[a]]")
     kw = dict(tile_m=int(m[1]), tile_n=int(m[2]), stages=int(m[3]))
     if m[4]:
         kw["grid_tile_width"] = int(m[4])
@@ -91,6 +92,10 @@ def parse_config(spec: str):
         kw["mma_in_flight"] = int(m[5])
     if m[6]:
         kw["stream_k"] = True
+    if m[7]:
+        if not m[6]:
+            raise ValueError(f"config spec {spec!r}: 'a' (TMA-add merge) needs 'k'")
+        kw["reduce"] = "tma_add"
     return st.Config(**kw)
 
 

@@ -99,7 +99,9 @@ class Config:
     epi_n: int = 64
     grid_minor_n: bool = True
     grid_tile_width: int = 4
-    reduce: str = "xla"  # 'xla' | 'tma_add' (module docstring)
+    # 'xla' | 'tma_add' (module docstring); with stream_k: how a cut tile's two pieces are
+    # summed, 'xla' a float32 partial merged in shared memory, 'tma_add' a TMA reduce-add.
+    reduce: str = "xla"
     # Entry handshake before the first remote write (module docstring, "Synchronization").
     # False: run 1's protocol (remote writes may start before a peer has entered the call).
     entry_sync: bool = True

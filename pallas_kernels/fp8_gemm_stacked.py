@@ -63,6 +63,9 @@ NARROW_TILE_COST = 1.15
 # kernel and 1.00x cuBLASLt (BUILD_NOTES, "Stream-K on the GPU").
 STREAM_K_CONFIG = Config(stream_k=True, stages=4)
 NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6)
+# The cut tiles' pieces summed by TMA reduce-add in the output (bf16) instead of a float32
+# partial merged in shared memory (``fp8_gemm_stream_k``); not GPU-measured yet.
+STREAM_K_ADD_CONFIG = Config(stream_k=True, stages=4, reduce="tma_add")
 DEFAULT_CONFIG = STREAM_K_CONFIG
 SCHEDULES = ("stream_k", "tiles")
 IMPLS = ("auto", "pallas", "reference", "interpret")
@@ -155,8 +158,9 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
         raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
                          f"{w_stacked.dtype}")
-    if config.reduce != "xla":
-        raise ValueError("the stacked GEMM stores its tiles (Config.reduce='xla')")
+    if config.reduce != "xla" and not (config.stream_k and config.reduce == "tma_add"):
+        raise ValueError("the stacked GEMM stores its tiles (Config.reduce='xla'; with "
+                         "stream_k also 'tma_add': a cut tile's pieces summed by TMA)")
     m, k = x_fp8.shape
     _, n, _ = w_stacked.shape
     if not fits(n, k, config):

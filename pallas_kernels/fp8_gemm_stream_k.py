@@ -35,6 +35,14 @@ neighbouring teams that own the same M tile (c and c + m_iters):
     the owner, at the end of its run, waits for it (no wait in practice), loads it into
     the now idle pipeline buffers, adds it and stores the tile.
 
+``Config(reduce="tma_add")`` sums a cut tile's pieces in the output instead: the other
+block scales its piece and stores it as bf16 (no addend), then signals; the owner waits
+for the signal and stores its own piece, with the addend, by TMA reduce-add
+(``cp.reduce.async.bulk .add``).  No float32 workspace, no merge buffers and no barrier
+between the compute warpgroups; the cut tiles round twice, bf16(bf16(a) + bf16(b)).
+(The profile put the float32 path's partial stores and merge at 8 kcycles per block.)
+The interpreter has no TMA reduction: there the owner reads the piece and adds it.
+
 Shapes and dtypes (one device):
   x      [Mx, K]    float8_e4m3fn, Mx a multiple of 8 (the last M tile is TMA-bounded)
   w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
@@ -145,6 +153,11 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         raise ValueError(f"stream-K needs 1 <= teams <= N tiles ({n_iters}), got {teams}")
     ctas = teams * m_iters
     partials = has_partials(n_iters, k_iters, teams)
+    if c.reduce not in ("xla", "tma_add"):
+        raise ValueError(f"stream-K merges cut tiles in shared memory ('xla') or by TMA "
+                         f"reduce-add ('tma_add'), got reduce={c.reduce!r}")
+    tma_add = partials and c.reduce == "tma_add"
+    f32_parts = partials and not tma_add  # the float32 workspace and its merge buffers
     stages = c.stages
     num_layers = w.shape[0]
     has_addend = addend is not None
@@ -161,7 +174,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             addend_ref = None
             out_ref, part_ref, stage_u, out_u, bars = refs
         w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
-        if partials:
+        if f32_parts:
             (x_smem, w_smem), pbuf = stage_u
             out_smem, pstage = out_u
         else:
@@ -244,7 +257,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
 
                 return pl.run_scoped(run, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
 
-            def write_partial(acc):
+            def write_partial(acc, t):
+                del t
                 for e, (em, en) in enumerate(part_epi):
                     rows = slice(em * c.epi_m, (em + 1) * c.epi_m)
                     cols = slice(en * PART_EPI_N, (en + 1) * PART_EPI_N)
@@ -256,27 +270,57 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                                             part_ref.at[cta, wg].at[rows, cols])
                 pl.when(jnp.logical_not(defer_signal))(signal_partial)
 
-            def store_tile(acc, ni, merged):
+            def store_tile(acc, ni, merged=False, with_addend=True, add=False):
+                """Scales the tile (plus the f32 partial if merged, the addend unless
+                with_addend=False) and stores it; add: TMA reduce-add onto what the output
+                holds (the neighbour's piece; the interpreter reads it and adds)."""
                 m_sl = pl.ds(mi * c.tile_m, c.tile_m)
                 n_sl = pl.ds(ni * cta_n + wg * c.tile_n, c.tile_n)
                 for e, (em, en) in enumerate(epi):
                     rows = slice(em * c.epi_m, (em + 1) * c.epi_m)
                     cols = slice(en * c.epi_n, (en + 1) * c.epi_n)
+                    dst = out_ref.at[m_sl, n_sl].at[rows, cols]
                     slot = e % 2
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     y = acc[rows, cols]
                     if merged:
                         y = y + pbuf[wg, rows, cols]
                     y = y * scale
-                    if has_addend:
+                    if has_addend and with_addend:
                         plgpu.copy_gmem_to_smem(addend_ref.at[m_sl, n_sl].at[rows, cols],
                                                 out_smem.at[wg, slot], misc.at[wg])
                         plgpu.barrier_wait(misc.at[wg])
                         y = y + out_smem[wg, slot].astype(jnp.float32)
+                    if add and interpret:  # bf16(old + bf16(y)), as the TMA unit adds
+                        plgpu.copy_gmem_to_smem(dst, out_smem.at[wg, slot], misc.at[wg])
+                        plgpu.barrier_wait(misc.at[wg])
+                        y = (y.astype(out_dtype).astype(jnp.float32)
+                             + out_smem[wg, slot].astype(jnp.float32))
                     out_smem[wg, slot] = y.astype(out_dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                            out_ref.at[m_sl, n_sl].at[rows, cols])
+                    if add and not interpret:
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
+                                                reduction_op="add")
+                    else:
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
+
+            def store_first_piece(acc, t):
+                # tma_add: the cut tile's later K steps, scaled and stored as bf16 (the
+                # owner adds its piece and the addend onto it), then signalled.
+                store_tile(acc, t, with_addend=False)
+                pl.when(jnp.logical_not(defer_signal))(signal_partial)
+
+            def add_onto_first_piece(acc, t):
+                # tma_add: no shared memory changes hands, so no barrier between the
+                # warpgroups: each waits for its neighbour's stored piece and adds its own.
+                with jax.named_scope("merge_wait"):
+                    if not interpret:
+                        src = cta + m_iters
+                        plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
+                                             decrement=False, memory_scope="gpu")
+                        fence_proxy_async_global()
+                with jax.named_scope("merge_store"):
+                    store_tile(acc, t, add=True)
 
             def merge_and_store(acc, t):
                 # The pipeline buffers are idle once both warpgroups' last wgmma is done
@@ -303,11 +347,12 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     with jax.named_scope("store"):
                         store_tile(acc, t, merged=False)
                     return
-                pl.when(kb > 0)(scoped("partial", lambda: write_partial(acc)))
+                first, merge = ((store_first_piece, add_onto_first_piece) if tma_add
+                                else (write_partial, merge_and_store))
+                pl.when(kb > 0)(scoped("partial", lambda: first(acc, t)))
                 pl.when(jnp.logical_and(kb == 0, ke == k_iters))(
                     scoped("store", lambda: store_tile(acc, t, merged=False)))
-                pl.when(jnp.logical_and(kb == 0, ke < k_iters))(
-                    lambda: merge_and_store(acc, t))
+                pl.when(jnp.logical_and(kb == 0, ke < k_iters))(lambda: merge(acc, t))
 
             with jax.named_scope("drain"):
                 plgpu.wait_smem_to_gmem(0)
@@ -315,7 +360,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     x_st = plgpu.SMEM((stages, c.tile_m, c.tile_k), FP8, transforms=in_tf)
     w_st = plgpu.SMEM((stages, cta_n, c.tile_k), FP8, transforms=in_tf)
     out_st = plgpu.SMEM((COMPUTE_WGS, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_tf)
-    if partials:
+    if f32_parts:
         stage_spec = plgpu.RefUnion(
             (x_st, w_st),
             plgpu.SMEM((COMPUTE_WGS, c.tile_m, c.tile_n), jnp.float32, transforms=f32_tf))
@@ -338,7 +383,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                       bars,
                       collective_axes="wg")
 
-    part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if partials
+    part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if f32_parts
                   else (1, COMPUTE_WGS, 8, PART_EPI_N))
     out, _ = plgpu.kernel(
         entry,
