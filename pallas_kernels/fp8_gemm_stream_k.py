@@ -128,7 +128,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     [Mx, N].
 
     config: ``fp8_gemm_allreduce.Config`` (tile_m, tile_n per compute warpgroup, tile_k,
-    stages, epi_m, epi_n); reduce, grid order and mma_in_flight do not apply.
+    stages, epi_m, epi_n, reduce: how cut tiles are summed); grid order and mma_in_flight do
+    not apply.
     interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
     one after another: there the last block runs first and the semaphore operations are
     left out, so every partial is written before its owner reads it (the fences and
