@@ -7,8 +7,9 @@ store, the owner's wait for its neighbour's partial and the load, the merged sto
 final wait for the TMA stores). Prints per shape the CTAs' span, the kernel's span, the
 spread of the CTAs' starts (launch skew) and ends (the tail), and the compute warpgroups'
 time per scope (mean over CTAs), with the K loop's cost per step. Times in SM clock
-kcycles (1.98 per us at the H200's boost clock). The fixed cost per call that BUILD_NOTES
-fits (~20 us, "Stream-K on the GPU") is what is left of the span after the K loop.
+kcycles; the clock under dense FP8 GEMMs is not the boost clock (BUILD_NOTES, "Where the
+stream-K GEMM's time goes": 1.34-1.44 GHz implied), so no conversion to us is made. What
+the span holds outside the K loop is the kernel's fixed cost per call.
 
   python3 benchmarks/gemm_profile.py --out $OUT/gemm_prof --shapes out,qkv
   python3 benchmarks/gemm_profile.py --summarize TRACE.json ...

@@ -23,14 +23,16 @@ Three implementations sit side by side:
   and 128-key step against ~830 of tensor work), so by default the two warpgroups run
   freely (no ping-pong schedule barrier: their softmaxes overlap), the row sums of P come
   from a small wgmma against a block of ones, and blocks without a masked slot skip the
-  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``). Further options, off by default,
-  all correct on the H200 (BUILD_NOTES, GPU runs 8-17): ``p_codes`` (P's e4m3 codes from
-  the logits' float bits, no ex2 and no cvt) with ``lazy_rescale`` (the output rescale
-  only when a row max moves past a margin) is the fastest, -5%, at twice the default's
-  error; ``overlap='qk'`` / ``'pv'`` (FlashAttention-3's intra-warpgroup pipelining, which
-  ptxas serializes), ``overlap='batch'`` with the ping-pong (its inter-warpgroup order),
-  ``bit_exp2`` (exponentials from float bits), slower; ``q_in_kernel`` (Q quantized in
-  the kernel), not yet run on a GPU. Without any softmax the kernel still runs at ~2.6 k
+  bias (``pingpong``, ``l_in_pv``, ``fast_unmasked``). Also on by default (BUILD_NOTES,
+  GPU runs 14-23): ``p_codes`` (P's e4m3 codes from the logits' float bits, no ex2 and no
+  cvt) with ``lazy_rescale`` (the output rescale only when a row max moves past a margin),
+  twice the error of ex2 (``impl='pallas-exp2'``) and still within the model's run-to-run
+  spread, and the wide V transpose; with V^T from the cache (``v_transposed``) 3 stages.
+  Options off by default, correct on the H200 and slower: ``overlap='qk'`` / ``'pv'``
+  (FlashAttention-3's intra-warpgroup pipelining, which ptxas serializes),
+  ``overlap='batch'`` with the ping-pong (its inter-warpgroup order), ``bit_exp2``
+  (exponentials from float bits); ``q_in_kernel`` (Q quantized in the kernel) is not yet
+  run on a GPU. Without any softmax the kernel still runs at ~2.6 k
   cycles per 128-key step against 1.5 k of tensor work (``debug``): the lock-step
   wgmma issue/wait pattern and the memory warpgroup's V transpose bound it.
 
@@ -558,7 +560,7 @@ def _head_scales(k_scale, v_scale, valid, d):
 
 def _slot_bias(valid, block_kv):
     """[S'] f32, S' = S rounded up to block_kv: 0 for a valid slot, _MASK_BIAS otherwise."""
-    s_pad = -(-valid.shape[0] // block_kv) * block_kv
+    s_pad = padded_slots(valid.shape[0], block_kv)
     return jnp.where(jnp.pad(valid, (0, s_pad - valid.shape[0])), 0.0,
                      _MASK_BIAS).astype(jnp.float32)
 
@@ -594,13 +596,20 @@ def permute_keys(x, inverse=False):
     return jnp.swapaxes(x.reshape(*lead, s_pad // 16, *group), n, n + 1).reshape(*lead, s_pad)
 
 
+def padded_slots(s_len: int, block_kv: int = 128) -> int:
+    """S' for S = s_len slots: rounded up to the kernel's KV blocks (the mask bias's and
+    V^T's length)."""
+    return -(-s_len // block_kv) * block_kv
+
+
 def transpose_v(v, block_kv: int = 128):
     """V as a cache can store it for the kernel (``attention(..., v_transposed=True)``):
-    v [..., S, H, D] -> V^T [..., H, D, S'] (same dtype), S' = S rounded up to block_kv
-    (zero slots), the keys permuted inside each 16-key group (:func:`_key_permutation`),
-    so that the wgmma reads P straight from the accumulator's registers."""
+    v [..., S, H, D] -> V^T [..., H, D, S'] (same dtype), S' = :func:`padded_slots`
+    (zero slots past S), the keys permuted inside each 16-key group
+    (:func:`_key_permutation`), so that the wgmma reads P straight from the accumulator's
+    registers."""
     *lead, s_len, h, d = v.shape
-    s_pad = -(-s_len // block_kv) * block_kv
+    s_pad = padded_slots(s_len, block_kv)
     vp = jnp.pad(v, [(0, 0)] * len(lead) + [(0, s_pad - s_len), (0, 0), (0, 0)])
     # Two steps: a plain [S', H*D] -> [H*D, S'] transpose (XLA's tiled transpose), then the
     # key permutation. As one 7-D transpose XLA emitted a 90 us loop fusion at 18 heads.
@@ -731,8 +740,8 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
       wide_v_transpose: the memory warpgroup transposes V with 16-byte shared loads
         (:func:`_wide_transpose_plan`: about half the instructions of the 32-bit word
         transpose, which takes ~1.36 k cycles per block and shares the sub-partitions'
-        issue with the softmax; without it the kernel is 5% faster, BUILD_NOTES run 15).
-        Not yet run on a GPU.
+        issue with the softmax; without it the kernel is 5% faster, BUILD_NOTES run 15;
+        GPU runs 18-19: -4 to -6% with p_codes).
       debug: diagnostics for timing only, with wrong results: "no_v_transpose" (the
         memory warpgroup hands out V^T stages unwritten) and "no_softmax" (P = the low
         bytes of the logits' bits, three byte permutes per four elements, m and l kept):
@@ -1608,8 +1617,9 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     kernel quantizes Q into its e4m3 part(s) itself (needs v_in_kernel; see
     ``_fp8_attention_call``), instead of XLA passes in this wrapper. p_codes: P's e4m3
     codes from the logits' bits (1; 2 with the low-range line; 0: ex2 + cvt, half the
-    error, ~10% slower; None, the default: 1 where l_in_pv holds and bit_exp2 is off). lazy_rescale (default on): the output's rescale only when
-    a row's max moves by > 0.75 (log2). wide_v_transpose (default on): the in-kernel V
+    error, ~10% slower; None, the default: 1 where l_in_pv holds and bit_exp2 is off).
+    lazy_rescale (default on): the output's rescale only when a row's max moves by > 0.75
+    (log2). wide_v_transpose (default on): the in-kernel V
     transpose with 16-byte shared loads. The three defaults are GPU runs 18-20's fastest
     set; the step's numerics stay within the run-to-run spread (BUILD_NOTES, GPU run 21).
     v_transposed: ``v`` is V^T as :func:`transpose_v` makes it ([(L,) H, D, S']); the

@@ -362,8 +362,9 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
 def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend):
     """The stream-K kernel under the Mosaic GPU interpreter, inside a scan over 2 layers:
     the one pipeline across tile boundaries, the float32 partials written by one block and
-    merged by the next team's block in the idle pipeline buffers, the addend. (The
-    interpreter runs blocks in turn, the partials' writers first, without the semaphores.)"""
+    merged by the next team's block in the idle pipeline buffers (or, with 'tma_add', the
+    bf16 piece stored and the owner's piece added onto it), the addend. (The interpreter
+    runs blocks in turn, the partials' writers first, without the semaphores.)"""
     seed = _seed()
     layers = 2
     x8, w8, scale = _operands(seed, m, n, k, layers)
@@ -416,8 +417,6 @@ def test_stream_k_profile_build_keeps_its_results(tmp_path):
     scopes: under the interpreter the profiled build still matches the exact product, with
     partials cut and merged. (Its CUDA lowering needs a GPU backend: the trace is dumped
     by a host callback; the GPU run of gemm_profile.py checks its error too.)"""
-    from pallas_kernels import fp8_gemm_stream_k as sk
-
     config = st.Config(stream_k=True, stages=4)
     m, n, k = 136, 768, 768
     x8, w8, scale = _operands(_seed(), m, n, k, 2)

@@ -17,8 +17,9 @@ Two modes behind one interface (`write`, `attention_operands`, `end_step`, `shif
   frame always sits in the last T slots).
 
 V transposed (`CacheLayout.v_transposed`, ring + FP8 only; `EngineOptions(v_cache=
-"transposed")`, and "auto", the default, wherever the Pallas kernel reads the cache): V is stored as the Pallas attention kernel reads it, V^T `[L, H, D, S']`
-(S' = S rounded up to 128, keys permuted inside 16-slot groups, see
+"transposed")`, and "auto", the default, wherever the Pallas kernel reads the cache): V
+is stored as the Pallas attention kernel reads it, V^T `[L, H, D, S']` (S' = S rounded
+up to the kernel's 128-key blocks, keys permuted inside 16-slot groups, see
 `pallas_kernels.fp8_attention.transpose_v`), so no attention call transposes V. A write
 rewrites the 16-aligned window of slots around the new tokens (`_write_v_transposed`).
 
@@ -41,7 +42,6 @@ from characters_jax.model.rope import apply_rope
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 V_HEADROOM = 4.0
-V_BLOCK = 128  # the attention kernel's KV block: a transposed V's slots are a multiple
 _MIN_SCALE = 1e-12
 
 
@@ -129,8 +129,10 @@ class CacheLayout:
 
     @property
     def v_slots(self) -> int:
-        """S' of a transposed V: the slots rounded up to the kernel's 128-key blocks."""
-        return -(-self.slots // V_BLOCK) * V_BLOCK
+        """S' of a transposed V: the slots rounded up to the kernel's KV blocks."""
+        from pallas_kernels.fp8_attention import padded_slots
+
+        return padded_slots(self.slots)
 
     def v_shape(self) -> tuple[int, int, int, int]:
         """[L, H, D, S'] with v_transposed, else shape()."""

@@ -30,8 +30,7 @@ from characters_jax.model.dit import DiT, scan_blocks
 from characters_jax.model.rope import apply_rope, rope_frequencies
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
-from pallas_kernels.fp8_attention import attention
-from pallas_kernels.fp8_attention import PALLAS_IMPLS
+from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 
 
