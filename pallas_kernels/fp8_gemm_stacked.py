@@ -59,13 +59,14 @@ NARROW_TILES_CONFIG = Config(tile_n=64, stages=4)
 NARROW_TILE_COST = 1.15
 # The stream-K schedule (``fp8_gemm_stream_k``), the default: 128 x 256 tiles with 4 stages
 # (the scale as a scalar leaves room for them), 128 x 128 with 6 where N does not tile by
-# 256. Measured on an H200 at the tp=2 shapes: per block 0.90-0.96x the data-parallel
-# kernel and 1.00x cuBLASLt (BUILD_NOTES, "Stream-K on the GPU").
-STREAM_K_CONFIG = Config(stream_k=True, stages=4)
-NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6)
-# The cut tiles' pieces summed by TMA reduce-add in the output (bf16) instead of a float32
-# partial merged in shared memory (``fp8_gemm_stream_k``); not GPU-measured yet.
-STREAM_K_ADD_CONFIG = Config(stream_k=True, stages=4, reduce="tma_add")
+# 256; a cut tile's two pieces summed by TMA reduce-add in the output. Measured on an H200
+# at the tp=2 shapes (BUILD_NOTES, "Stream-K run 7"): per block 0.95x the float32 merge
+# and 0.95x cuBLASLt; every projection within 6% of cuBLASLt.
+STREAM_K_CONFIG = Config(stream_k=True, stages=4, reduce="tma_add")
+NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6, reduce="tma_add")
+# The cut tiles merged in shared memory from a float32 partial in a GMEM workspace (the
+# default until run 7; per block 0.90-0.96x the data-parallel kernel, 0.98-1.00x cuBLASLt).
+STREAM_K_F32_CONFIG = Config(stream_k=True, stages=4)
 DEFAULT_CONFIG = STREAM_K_CONFIG
 SCHEDULES = ("stream_k", "tiles")
 IMPLS = ("auto", "pallas", "reference", "interpret")

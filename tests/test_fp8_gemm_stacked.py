@@ -181,7 +181,7 @@ def test_mma_in_flight_lowers_for_cuda_and_is_checked():
                                       # stream-K: 240 tiles of 4 K steps over 132 blocks
                                       (st.Config(stream_k=True), 10240),
                                       (st.Config(stream_k=True, tile_n=64, stages=4), 10240),
-                                      (st.STREAM_K_ADD_CONFIG, 10240),  # cut tiles: TMA add
+                                      (st.STREAM_K_F32_CONFIG, 10240),  # cut tiles: float32 merge
                                       (st.Config(stream_k=True), 512)])  # 12 tiles, 12 blocks
 def test_kernel_on_gpu_inside_scan(config, n):
     if not st.is_supported():
@@ -260,7 +260,7 @@ def test_addend_shape_is_checked_and_lowers_for_cuda():
     # stream-K (the default): 30 slabs of 8 K steps over 22 teams of 6 blocks, so slabs are
     # cut and the merge runs before the addend
     (None, 7680, 1024, None),
-    (st.STREAM_K_ADD_CONFIG, 7680, 1024, None)], ids=["tiles", "stream_k", "stream_k_tma_add"])
+    (st.STREAM_K_F32_CONFIG, 7680, 1024, None)], ids=["tiles", "stream_k", "stream_k_f32"])
 def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms):
     """The addend epilogue on the hardware (one GPU, no peers: isolated from the fused
     kernel's multi-GPU protocol). M = 757, 3 layers with distinct weights and addends,
@@ -356,7 +356,7 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
     (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),
     (40, 256, 256, 2, st.Config(stream_k=True), False),  # one tile: one block, no cut
     # the cut tiles' pieces summed by TMA reduce-add (the interpreter reads and adds)
-    (136, 768, 768, 4, st.STREAM_K_ADD_CONFIG, True),
+    (136, 768, 768, 4, st.STREAM_K_CONFIG, True),
     (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4, reduce="tma_add"), False),
 ])
 def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend):
@@ -397,7 +397,7 @@ def test_stream_k_lowers_at_characters_57b_shapes():
     shared memory (4 stages of 128 x 256 tiles fit, the scale being a scalar; 5 do not), no
     weight slice."""
     for config in (st.Config(stream_k=True), st.Config(stream_k=True, stages=4),
-                   st.Config(stream_k=True, tile_n=64, stages=4), st.STREAM_K_ADD_CONFIG):
+                   st.Config(stream_k=True, tile_n=64, stages=4), st.STREAM_K_CONFIG):
         for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
             text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
