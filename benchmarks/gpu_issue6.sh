@@ -12,6 +12,8 @@
 #                     in the default VARIANTS)
 #        ring_plainv  as ring_fused, V cached plain, transposed by the kernel (--v-cache plain;
 #                     not in the default VARIANTS)
+#        ring_qik     as ring_fused, attention 'pallas-qik' (Q quantized in the kernel; not in
+#                     the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
@@ -21,7 +23,7 @@
 # logs.tar.gz (logs, per-variant breakdown.json, HLO text).
 # Every sub-run has a timeout, cut further to what is left of the overall deadline, so one
 # failure or hang does not cost the rest. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
-# Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), VARIANTS (all six; VARIANTS="" runs none: extras only),
+# Knobs: STEPS (20), WARMUP (3), PROFILE_STEPS (3), DEADLINE_S (530), V_LIMIT_S (110: per variant), VARIANTS (all six; VARIANTS="" runs none: extras only),
 # TP (2), DECODER_GPU (1: the decoder's GPU for the decoder extras), PROFILE_PLAIN (0; 1: the
 # profile traces a second compile with XLA command buffers off, where the trace names the
 # Pallas kernels instead of listing them as MemcpyD2D; one more compile per variant),
@@ -92,9 +94,10 @@ for v in $VARIANTS; do
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_exp2)    opts=(--mode ring --attention pallas-exp2 --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_plainv)  opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache plain) ;;
+    ring_qik)     opts=(--mode ring --attention pallas-qik --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
-  guarded "step57b_$v" 110 "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \
+  guarded "step57b_$v" "${V_LIMIT_S:-110}" "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \
     --steps "$STEPS" --warmup "$WARMUP" --progress 10 --upkeep-steps-per-call 4 \
     --profile "$LOGS/trace_$v" --profile-steps "$PROFILE_STEPS" --json "$OUT/step57b_tp${TP}_$v.json" \
     $( [ "$PROFILE_PLAIN" = 1 ] && echo --profile-without-command-buffers )

@@ -31,8 +31,9 @@ Three implementations sit side by side:
   Options off by default, correct on the H200 and slower: ``overlap='qk'`` / ``'pv'``
   (FlashAttention-3's intra-warpgroup pipelining, which ptxas serializes),
   ``overlap='batch'`` with the ping-pong (its inter-warpgroup order), ``bit_exp2``
-  (exponentials from float bits); ``q_in_kernel`` (Q quantized in the kernel) is not yet
-  run on a GPU. Without any softmax the kernel still runs at ~2.6 k
+  (exponentials from float bits). ``q_in_kernel`` (Q quantized in the kernel,
+  ``impl='pallas-qik'``): GPU run 24, the kernel 2-6% slower and the call 4-7% faster
+  (the wrapper's Q passes go). Without any softmax the kernel still runs at ~2.6 k
   cycles per 128-key step against 1.5 k of tensor work (``debug``): the lock-step
   wgmma issue/wait pattern and the memory warpgroup's V transpose bound it.
 
@@ -90,13 +91,15 @@ F8_MAX = 448.0
 LOG2E = math.log2(math.e)
 _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
-IMPLS = ("auto", "reference", "pallas", "pallas-exp2", "cudnn", "xla")
+IMPLS = ("auto", "reference", "pallas", "pallas-exp2", "pallas-qik", "cudnn", "xla")
 # The Pallas kernel's impl names and their options: 'pallas' is attention_pallas's
 # defaults (P's e4m3 codes from the logits' bits, the lazy rescale, the wide V transpose:
 # the fastest measured set, BUILD_NOTES GPU runs 18-20); 'pallas-exp2' P from MUFU ex2 +
 # cvt and the eager rescale (half the kernel's error, ~10% slower: the comparison for the
-# step benchmark and the numerics harness).
-PALLAS_IMPLS = {"pallas": {}, "pallas-exp2": {"p_codes": 0, "lazy_rescale": False}}
+# step benchmark and the numerics harness); 'pallas-qik' Q quantized in the kernel (no
+# XLA passes over Q in the wrapper).
+PALLAS_IMPLS = {"pallas": {}, "pallas-exp2": {"p_codes": 0, "lazy_rescale": False},
+                "pallas-qik": {"q_in_kernel": True}}
 # exp2 from float bits (``bit_exp2``): u = y + _EXP2_MAGIC has a ulp of 2^-10 for
 # |y| < 2^12, so its bits hold round(1024 y) plus a constant; shifted into the exponent
 # field they give 2^floor(y) (1 + frac(y)) (Schraudolph's approximation, <= 6.1% high),
@@ -567,8 +570,9 @@ def _slot_bias(valid, block_kv):
 
 def _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid, block_kv):
     """Wrapper-side work when the kernel quantizes Q itself: (Q,) with Q bf16 [Tq', H, D]
-    (Tq' = Tq rounded up to 128, zero rows: the bf16 TMA tiles need whole 8-row groups),
-    the per-head scales [H, 2] (:func:`_head_scales`) and the slot bias [S']."""
+    (Tq' = Tq rounded up to 128, zero rows: Mosaic GPU's TMA refuses a bf16 Q whose row
+    count is not a multiple of 8, so the pad stays; in the model XLA can fuse it into Q's
+    producer), the per-head scales [H, 2] (:func:`_head_scales`) and the slot bias [S']."""
     tq, _, d = q.shape
     tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, tq_pad - tq), (0, 0), (0, 0)))

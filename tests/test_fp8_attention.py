@@ -170,7 +170,7 @@ def test_default_kernel_options_resolve_per_v_layout():
 def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     """attention(impl=...) for each Pallas impl name reaches the kernel with that name's
     options (traced and lowered for CUDA on CPU; 'pallas' carries p_codes and the lazy
-    rescale, 'pallas-exp2' neither), and the numerics harness resolves each to the
+    rescale, 'pallas-exp2' neither, 'pallas-qik' Q quantized in the kernel), and the numerics harness resolves each to the
     reference off Hopper."""
     from characters_jax.numerics import runs
     seen = []
@@ -180,9 +180,12 @@ def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
     q, k, sc, va = _model_structs()
     fa.attention_pallas.clear_cache()  # trace it again, through the patched call
     _lower_for_cuda(jax.jit(lambda *a: fa.attention(*a, impl=impl)), q, k, k, sc, sc, va)
-    assert seen and all(seen[-1][k_] == v_ for k_, v_ in fa.PALLAS_IMPLS[impl].items())
-    assert (seen[-1]["p_codes"], seen[-1]["lazy_rescale"]) == {"pallas": (1, True), "pallas-exp2": (0, False)}[impl]
-    name = {"pallas": "fp8-attention", "pallas-exp2": "fp8-attention-exp2"}[impl]
+    # (p_codes, lazy_rescale, e4m3 parts of Q made in the kernel) as the kernel sees them
+    want = {"pallas": (1, True, 0), "pallas-exp2": (0, False, 0), "pallas-qik": (1, True, 2)}
+    assert seen and tuple(seen[-1][k_] for k_ in ("p_codes", "lazy_rescale", "q_in_kernel")
+                          ) == want[impl]
+    name = {"pallas": "fp8-attention", "pallas-exp2": "fp8-attention-exp2",
+            "pallas-qik": "fp8-attention-qik"}[impl]
     resolved = runs.resolve(runs.VARIANTS[name], tp=2)
     if jax.default_backend() == "cpu":
         assert resolved.variant.attention == "reference" and "Hopper" in resolved.note

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from characters_jax.cache import kv_cache as kvc
-from characters_jax.config import Config
+from characters_jax.config import Config, ConfigError
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DiT, scan_blocks
 from characters_jax.model.rope import apply_rope, rope_frequencies
@@ -82,6 +82,27 @@ def resolve_v_cache(v_cache: str, attention: str, layout: kvc.CacheLayout) -> bo
     return resolve_attention(attention, kvc.FP8, layout.head_dim) in PALLAS_IMPLS
 
 
+def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
+    """A Pallas attention impl asked for by name must be able to run: FP8 K/V, head_dim 128,
+    an NVIDIA Hopper GPU. Raises ConfigError naming what is missing ('auto' never does),
+    or for an unknown name."""
+    from pallas_kernels import fp8_attention
+
+    if attention not in fp8_attention.IMPLS:
+        raise ConfigError(f"unknown attention {attention!r}; expected one of {fp8_attention.IMPLS}")
+    if attention not in PALLAS_IMPLS:
+        return
+
+    missing = [what for what, ok in (
+        (f"an FP8 cache (cache.dtype is {layout.dtype!r})", layout.quantized),
+        (f"head_dim 128 (model.head_dim is {layout.head_dim})", layout.head_dim == 128),
+        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", fp8_attention._is_hopper()))
+        if not ok]
+    if missing:
+        raise ConfigError(f"attention {attention!r} needs " + ", ".join(missing)
+                          + "; use attention 'auto', 'reference', 'cudnn' or 'xla'")
+
+
 def resolve_gemm(gemm: str, weight_dtype: str) -> str:
     """'auto' -> 'stacked' for FP8 weights on a GPU where the stacked kernel runs, else 'xla'."""
     if gemm != "auto":
@@ -137,6 +158,7 @@ class Engine:
         self.cfg, self.mesh, self.options = cfg, mesh, options
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
         layout = kvc.CacheLayout.from_config(cfg)
+        check_attention(options.attention, layout)
         self.layout = dataclasses.replace(layout, v_transposed=resolve_v_cache(options.v_cache, options.attention, layout))
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)

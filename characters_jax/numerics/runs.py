@@ -45,6 +45,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
         Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache (V stored as V^T) + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
         Variant("fp8-attention-exp2", cache_mode="ring", cache_dtype="fp8", attention="pallas-exp2", description="ring FP8 cache (V stored as V^T) + the Pallas kernel with P from ex2 + cvt and the eager rescale"),
+        Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache (V stored as V^T) + the Pallas kernel quantizing Q itself"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
         Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
