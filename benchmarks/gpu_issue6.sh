@@ -10,8 +10,8 @@
 #        ring_fused   as ring_stacked, with the fused Pallas GEMM + all-reduce
 #        ring_exp2    as ring_fused, attention 'pallas-exp2' (P from ex2, eager rescale; not
 #                     in the default VARIANTS)
-#        ring_plainv  as ring_fused, V cached plain, transposed by the kernel (--v-cache plain;
-#                     not in the default VARIANTS)
+#        ring_vt      as ring_fused, V cached as the kernel's V^T (--v-cache transposed; not in
+#                     the default VARIANTS)
 #        ring_qik     as ring_fused, attention 'pallas-qik' (Q quantized in the kernel; not in
 #                     the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
@@ -93,7 +93,7 @@ for v in $VARIANTS; do
     ring_stacked) opts=(--mode ring --attention "$ATTN_FP8" --reduce psum --gemm stacked) ;;
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_exp2)    opts=(--mode ring --attention pallas-exp2 --reduce "$REDUCE_FUSED" --gemm stacked) ;;
-    ring_plainv)  opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache plain) ;;
+    ring_vt)      opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache transposed) ;;
     ring_qik)     opts=(--mode ring --attention pallas-qik --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac

@@ -261,3 +261,17 @@ def test_stacked_pallas_path_reads_the_stack_in_place(monkeypatch):
     assert "tensor<1x768x512xbf16>" in fused_out  # the receive buffer
     assert "all_reduce" not in text
     assert _no_weight_slices(text)
+
+
+def test_stacked_pallas_at_tp1_runs_the_stream_k_gemms(monkeypatch):
+    """At tp = 1 nothing is reduced: 'pallas' (what 'auto' picks on Hopper) with stacked
+    weights lowers to the psum path's two stacked GEMMs, the stream-K kernel, the first
+    product as the second's addend; no fused kernel."""
+    from pallas_kernels import fp8_gemm_allreduce, fp8_gemm_stream_k
+
+    text = _lower_block_for_cuda(monkeypatch, "pallas", tp=1)
+    calls = _calls(text)
+    assert len(calls) == 2
+    assert fp8_gemm_stream_k.KERNEL_NAME in text and fp8_gemm_allreduce.KERNEL_NAME not in text
+    sigs = [ln.rsplit(":", 1)[-1] for ln in calls]
+    assert "tensor<760x512xbf16>" in sigs[1].split("->")[0]  # the addend chain

@@ -23,6 +23,9 @@ Methods (the ``method`` argument):
               (``pallas_kernels.fp8_gemm_allreduce``), NVIDIA Hopper only; output
               tiles are pushed to the peers as they finish while later tiles compute.
               Stacked weights (``Fp8Weight.layer``) are read in place by the kernel.
+              At tp = 1 there is nothing to reduce: stacked weights then take the
+              'psum' path, whose stacked GEMMs use the stream-K schedule (the fused
+              kernel's data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
 
 Stacked FP8 weights on the 'psum' path: the products are chained through the stacked
 GEMM's epilogue addend (``stacked_partial``) and, where the Pallas kernel runs, x is padded
@@ -257,6 +260,8 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     _check_pairs(pairs)
     out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
     method = resolve_method(method, jax.default_backend(), pairs)
+    if method == "pallas" and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
+        method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
         return _psum_matmul_reduce(pairs, axis_name, out_dtype)
     if method == "ppermute":
