@@ -244,6 +244,8 @@ def test_stacked_psum_path_chains_the_products_through_the_addend(monkeypatch):
     assert "x512xf32>" not in " ".join(outs)
     assert re.search(r"all_reduce.*tensor<760x512xbf16>", text, re.S)
     assert _no_weight_slices(text)
+    # quantized before the pad: no padded bf16 activations
+    assert not re.search(r"stablehlo.pad.*-> tensor<760x(128|256)xbf16>", text)
 
 
 def test_stacked_pallas_path_reads_the_stack_in_place(monkeypatch):

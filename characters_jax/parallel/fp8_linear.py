@@ -85,6 +85,27 @@ class Fp8Weight:
         return (w.values.astype(jnp.float32) * scale).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Activation:
+    """Activations already quantized per tensor: ``values.astype(f32) * scale`` ~ x.
+
+    Lets a caller quantize before it pads rows (an FP8 pad fuses into the quantization's
+    convert; a pad of the float activations is a copy of twice the bytes in front of the
+    amax reduction), then hand the result to ``stacked_linear``.
+    """
+
+    values: jax.Array  # [..., K] float8_e4m3fn
+    scale: jax.Array  # [] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+
+
 def _scale_from_amax(amax: jax.Array) -> jax.Array:
     return jnp.maximum(amax.astype(jnp.float32), _TINY) / FP8_MAX
 
@@ -160,11 +181,16 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.A
     if fp8_gemm_stacked.is_supported() and not stacked_gemm_runs_kernel(w):
         # A GPU where the kernel runs but this shape does not tile (e.g. N = 8064 at tp=4):
         # XLA's FP8 GEMM on the sliced layer, not the float32 reference.
+        if isinstance(x, Fp8Activation):
+            x = x.dequantize()
         y = linear(x, w.at_layer(), jnp.float32)
         if addend is not None:
             y = y + addend.astype(jnp.float32)
         return y.astype(out_dtype)
-    x_fp8, x_scale = quantize_activation(x)
+    if isinstance(x, Fp8Activation):
+        x_fp8, x_scale = x.values, x.scale
+    else:
+        x_fp8, x_scale = quantize_activation(x)
     w_scale = w.layer_scale
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if addend is not None:
@@ -174,16 +200,20 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.A
     return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
 
 
-def stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype=None, addend=None) -> jax.Array:
+def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None) -> jax.Array:
     """x [..., K] @ w.T + addend for a stacked per-tensor ``Fp8Weight`` (``w.layer`` set).
 
-    The block's weight is read in place from the stack (``pallas_kernels.fp8_gemm_stacked``;
-    its reference elsewhere) and ``addend`` ([..., N], optional) is added to the float32
-    product before the one rounding to ``out_dtype`` (default x.dtype): in the kernel's
-    epilogue, which reads it in the GEMM's output dtype (bf16 for bf16 out, else f32).
+    x: float activations (quantized here), or an ``Fp8Activation`` (then out_dtype is
+    required). The block's weight is read in place from the stack
+    (``pallas_kernels.fp8_gemm_stacked``; its reference elsewhere) and ``addend`` ([..., N],
+    optional) is added to the float32 product before the one rounding to ``out_dtype``
+    (default x.dtype): in the kernel's epilogue, which reads it in the GEMM's output dtype
+    (bf16 for bf16 out, else f32).
     """
     if not w.stacked:
         raise ValueError("stacked_linear takes a stacked Fp8Weight (layer set)")
+    if isinstance(x, Fp8Activation) and out_dtype is None:
+        raise ValueError("stacked_linear of an Fp8Activation needs out_dtype")
     return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend)
 
 
