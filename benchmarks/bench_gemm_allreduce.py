@@ -22,6 +22,9 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
     fused_pallas_run1sync      the same kernel with run 1's synchronization (no entry
                                handshake): the handshake's cost is the difference
     fused_pallas_s4            the default kernel with 4 pipeline stages instead of 3
+    fused_pallas_sk            the fused exchange on the stream-K schedule
+                               (``fp8_gemm_allreduce.STREAM_K_CONFIG``: the stacked GEMM's
+                               kernel, each finished tile also sent to the peers)
     torch_mm+allreduce         ``_scaled_mm`` then a NCCL all-reduce (torch.distributed)
     gemm+psum+residual         gemm+psum, then the block's consumer as the model has it:
                                x + gate * y (bf16 residual, f32 [N] gate; ``dit.Block``)
@@ -37,12 +40,16 @@ then times it inside one jitted ``lax.fori_loop`` (medians over repeats):
                                                products, an XLA add, bf16, psum (768 rows)
     block/pallas_stacked                       the fused kernel reading the down stack in
                                                place, attention-out as its addend
+    block/pallas_stacked_sk                    the same on the stream-K schedule
+                                               (method 'pallas-stream-k')
   --full adds: XLA _bf16 (the dot writes bf16) and _linear (``fp8_linear.linear``,
   activations quantized inside), fused configs _m64 / _tma / _tma_m64, the ppermute ring.
 
 hidden = (t_gemm + t_allreduce - t_fused) / t_allreduce, with t_gemm the XLA FP8 GEMM
-(``_hidden``) and, like for like, the Pallas GEMM that the fused kernel runs, on the same
-757 rows with its pad and slice (``_hidden_vs_pallas``; the table's "hidden" columns).
+(``_hidden``) and the Pallas GEMM alone, on the same 757 rows with its pad and slice
+(``_hidden_vs_pallas``; the table's "hidden" columns). That GEMM is the stream-K kernel
+(the stacked GEMM's default), so the share is like for like for fused_pallas_sk; the
+data-parallel fused kernels run a slower GEMM, which their share absorbs.
 With the consumer: hidden_in_block = (t[gemm+psum+residual] - t[fused_pallas+residual]) /
 t_allreduce, the all-reduce time the block saves (its XLA GEMM replaced by the Pallas one
 inside the fused kernel, so read it next to the GEMMs' ratio).
@@ -157,10 +164,11 @@ def run_torch(out_dir, reps):
 
 # ----------------------------------------------------------------------------- jax
 def _configs(full):
-    from pallas_kernels.fp8_gemm_allreduce import CONFIG_NO_ENTRY_SYNC, Config
+    from pallas_kernels.fp8_gemm_allreduce import CONFIG_NO_ENTRY_SYNC, STREAM_K_CONFIG, Config
 
     # _s4: 4 stages of 128 x 256, which fit since the scale is a scalar (BUILD_NOTES)
-    cfgs = {"": Config(), "_run1sync": CONFIG_NO_ENTRY_SYNC, "_s4": Config(stages=4)}
+    cfgs = {"": Config(), "_run1sync": CONFIG_NO_ENTRY_SYNC, "_s4": Config(stages=4),
+            "_sk": STREAM_K_CONFIG}
     if full:
         cfgs.update({"_tma": Config(reduce="tma_add"),
                      "_tma_m64": Config(reduce="tma_add", tile_m=64, stages=4),
@@ -315,9 +323,11 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
         record(f"{name}/gemm+psum+residual", smap_res(
             lambda a, b: lax.psum(gemm(a, b, jnp.float32), "tp")), (xs, ws, resid, gate),
             ref_res)
-        record(f"{name}/fused_pallas+residual", smap_res(
-            lambda a, b: fused.gemm_allreduce(a, b, sw, x_scale=sx, use_kernel=on_gpu)),
-            (xs, ws, resid, gate), ref_res)
+        for cname, cfg in (("", None), ("_sk", fused.STREAM_K_CONFIG)):
+            record(f"{name}/fused_pallas{cname}+residual", smap_res(
+                lambda a, b, cfg=cfg: fused.gemm_allreduce(a, b, sw, x_scale=sx, config=cfg,
+                                                           use_kernel=on_gpu)),
+                (xs, ws, resid, gate), ref_res)
         if full:
             def ring(a, b):
                 mc = -(-M // tp)
@@ -376,6 +386,8 @@ def run_jax(reps, repeats, only=None, deadline=None, save=None, full=False, smok
             "psum_stacked_f32sum": psum_f32sum,
             "pallas_stacked": lambda a, b, wo, wd: row_parallel.row_parallel_matmul_reduce(
                 [(a, at1(wo)), (b, at1(wd))], method="pallas"),
+            "pallas_stacked_sk": lambda a, b, wo, wd: row_parallel.row_parallel_matmul_reduce(
+                [(a, at1(wo)), (b, at1(wd))], method="pallas-stream-k"),
         }
         for vname, fn in variants.items():
             record(f"block/{vname}", jax.shard_map(
@@ -404,7 +416,7 @@ def summarize(res):
         if row:
             g, gp = line["xla_post_f32_us"], line["pallas_us"]
             ar = us(f"{name}/allreduce_psum")
-            for v in ("gemm+psum", "fused_pallas", "fused_pallas_run1sync"):
+            for v in ("gemm+psum", "fused_pallas", "fused_pallas_run1sync", "fused_pallas_sk"):
                 tv = us(f"{name}/{v}")
                 line[f"{v}_us"] = tv
                 if tv and g and ar:
@@ -413,15 +425,18 @@ def summarize(res):
                     line[f"{v}_hidden_vs_pallas"] = hidden(gp, ar, tv)
             line["allreduce_us"] = ar
             line["torch_mm+ar_us"] = us(f"{name}/torch_mm+allreduce")
-            tu, tf = us(f"{name}/gemm+psum+residual"), us(f"{name}/fused_pallas+residual")
-            line["gemm+psum+residual_us"], line["fused_pallas+residual_us"] = tu, tf
-            if tu and tf and ar:
-                line["hidden_in_block"] = (tu - tf) / ar
+            tu = us(f"{name}/gemm+psum+residual")
+            line["gemm+psum+residual_us"] = tu
+            for cname in ("", "_sk"):
+                tf = us(f"{name}/fused_pallas{cname}+residual")
+                line[f"fused_pallas{cname}+residual_us"] = tf
+                if tu and tf and ar:
+                    line[f"hidden_in_block{cname}"] = (tu - tf) / ar
         rows.append(line)
     rows.append({"shape": "block o+down (API, quantize inside)",
                  **{f"{m}_us": us(f"block/{m}")
                     for m in ("psum", "pallas", "psum_stacked", "psum_stacked_f32sum",
-                              "pallas_stacked")}})
+                              "pallas_stacked", "pallas_stacked_sk")}})
     return rows
 
 
@@ -442,26 +457,27 @@ def table(res):
         p, p760 = us(f"{s}/pallas_fp8_gemm"), us(f"{s}/pallas_fp8_gemm_m760")
         out.append(f"{s} | {f(t)} | {f(us(f'{s}/xla_fp8_gemm_f32'))} | {f(p)} | {f(p760)} | "
                    f"{r(p, t)} | {r(p760, t)}")
-    out.append("row-parallel (us) | psum | GEMM+psum | fused | fused run1 sync | torch mm+AR | "
-               "hidden vs Pallas GEMM: fused | run1 sync")
+    out.append("row-parallel (us) | psum | GEMM+psum | fused | fused run1 sync | fused stream-K | "
+               "torch mm+AR | hidden vs Pallas GEMM: fused | run1 sync | stream-K")
     pc = lambda *t: "-" if None in t else f"{hidden(*t):.0%}"  # noqa: E731
     for s in [s for s, (_, _, row) in SHAPES.items() if row]:
         gp, ar = us(f"{s}/pallas_fp8_gemm"), us(f"{s}/allreduce_psum")
         out.append(f"{s} | " + " | ".join(f(us(f"{s}/{v}")) for v in (
             "allreduce_psum", "gemm+psum", "fused_pallas", "fused_pallas_run1sync",
-            "torch_mm+allreduce")) + f" | {pc(gp, ar, us(f'{s}/fused_pallas'))} | "
-            f"{pc(gp, ar, us(f'{s}/fused_pallas_run1sync'))}")
+            "fused_pallas_sk", "torch_mm+allreduce")) + " | " + " | ".join(
+            pc(gp, ar, us(f"{s}/fused_pallas{v}")) for v in ("", "_run1sync", "_sk")))
     out.append("with the consumer x + gate * y (us) | GEMM+psum+residual | fused+residual | "
-               "hidden in the block")
+               "fused stream-K+residual | hidden in the block: fused | stream-K")
     for s in [s for s, (_, _, row) in SHAPES.items() if row]:
-        tu, tf, ar = (us(f"{s}/gemm+psum+residual"), us(f"{s}/fused_pallas+residual"),
-                      us(f"{s}/allreduce_psum"))
-        out.append(f"{s} | {f(tu)} | {f(tf)} | "
-                   + ("-" if None in (tu, tf, ar) else f"{(tu - tf) / ar:.0%}"))
+        tu, ar = us(f"{s}/gemm+psum+residual"), us(f"{s}/allreduce_psum")
+        tfs = [us(f"{s}/fused_pallas{v}+residual") for v in ("", "_sk")]
+        out.append(f"{s} | {f(tu)} | " + " | ".join(f(t) for t in tfs) + " | " + " | ".join(
+            "-" if None in (tu, t, ar) else f"{(tu - t) / ar:.0%}" for t in tfs))
     out.append("block o+down (us) | psum | pallas | psum stacked (addend chain) | "
-               "psum stacked (f32 sum, before) | pallas stacked")
+               "psum stacked (f32 sum, before) | pallas stacked | pallas stacked stream-K")
     out.append("block | " + " | ".join(f(us(f"block/{v}")) for v in (
-        "psum", "pallas", "psum_stacked", "psum_stacked_f32sum", "pallas_stacked")))
+        "psum", "pallas", "psum_stacked", "psum_stacked_f32sum", "pallas_stacked",
+        "pallas_stacked_sk")))
     errs = {k: round(v["rel_err"], 5) for k, v in res.items()
             if isinstance(v, dict) and "rel_err" in v}
     bad = {k: e for k, e in errs.items() if not (e < (3e-2 if k.startswith("block") else 1e-2))}

@@ -12,6 +12,8 @@
 #                     in the default VARIANTS)
 #        ring_vt      as ring_fused, V cached as the kernel's V^T (--v-cache transposed; not in
 #                     the default VARIANTS)
+#        ring_fused_sk as ring_fused, the fused GEMM + all-reduce on the stream-K schedule
+#                     (--reduce pallas-stream-k; not in the default VARIANTS)
 #        ring_qik     as ring_fused, attention 'pallas-qik' (Q quantized in the kernel; not in
 #                     the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
@@ -94,6 +96,7 @@ for v in $VARIANTS; do
     ring_fused)   opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_exp2)    opts=(--mode ring --attention pallas-exp2 --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_vt)      opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --v-cache transposed) ;;
+    ring_fused_sk) opts=(--mode ring --attention "$ATTN_FP8" --reduce pallas-stream-k --gemm stacked) ;;
     ring_qik)     opts=(--mode ring --attention pallas-qik --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     *) echo "unknown variant $v"; continue ;;
   esac

@@ -26,6 +26,12 @@ block of every peer has signalled.  Two ways to sum the partials (``Config.reduc
             is bf16(bf16(p0) + bf16(p1)) on both devices (addition commutes); for
             tp >= 3 the order of the adds varies, so devices may differ in the last bit.
 
+``Config(stream_k=True)`` (``STREAM_K_CONFIG``) runs the same exchange ('xla' sum, entry
+handshake, done count: ``mgpu_sync.PeerSync``) on the stacked GEMM's stream-K schedule
+(``fp8_gemm_stream_k``: the K steps dealt out evenly over the SMs, a cut tile finished on
+its own GPU before it travels) instead of whole tiles per block; M is padded to 8, not to
+the tile.
+
 The exchange is point-to-point remote stores only (no NVLS), so any number of devices
 works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
 elements: the same as a ring all-reduce for tp = 2, more for larger tp.
@@ -75,6 +81,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mgpu_sync import PeerSync
+
 FP8 = jnp.float8_e4m3fn
 # Kernel names as profiler traces show them (``characters_jax.measure.profile`` classifies
 # by them): the fused GEMM + all-reduce, and the same kernel at tp = 1 (the stacked GEMM).
@@ -114,9 +122,11 @@ class Config:
     # Measured 3-16% slower at the characters-57b tp=2 shapes on an H200 (BUILD_NOTES):
     # the later release costs a stage of prefetch.
     mma_in_flight: int = 0
-    # tp = 1 only (the stacked GEMM, ``fp8_gemm_stream_k``): the K steps of all output
-    # tiles dealt out evenly over the persistent grid, tiles cut between neighbouring
-    # blocks and their partials merged in the kernel, instead of whole tiles per block.
+    # The stream-K schedule (``fp8_gemm_stream_k``): the K steps of all output tiles dealt
+    # out evenly over the persistent grid, tiles cut between neighbouring blocks and their
+    # partials merged in the kernel, instead of whole tiles per block. The stacked GEMM's
+    # default at tp = 1; here (tp > 1) each finished tile also goes to the peers' receive
+    # slots and the sum is the 'xla' pass ('reduce' then says how cut tiles are merged).
     stream_k: bool = False
 
 
@@ -125,6 +135,9 @@ CONFIG_RUN1 = Config()
 CONFIG_TMA_ADD = Config(reduce="tma_add")
 # Run 1's synchronization, kept for the GPU A/B check of the entry handshake.
 CONFIG_NO_ENTRY_SYNC = Config(entry_sync=False)
+# The stream-K schedule with the peer exchange (cut tiles merged from a float32 partial
+# on the own GPU, so only finished tiles travel); not GPU-measured yet.
+STREAM_K_CONFIG = Config(stream_k=True, stages=4)
 # What gemm_allreduce uses when no config is given (row_parallel passes none).
 DEFAULT_CONFIG = Config()
 
@@ -237,37 +250,18 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         wg = lax.axis_index("wg")
         # Only a kernel that talks to peers may name the mesh axis: a mesh-axis
         # index marks the kernel as collective (and links NVSHMEM).
-        dev = lax.axis_index(axis_name) if tp > 1 else None
+        sync = PeerSync(axis_name, tp, entry_sync) if tp > 1 else None
+        dev = sync.dev if sync else None
         block = lax.axis_index("cluster_grid")
-        done_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tp > 1 else None
+        if sync:
+            sync.allocate("done")
         zero_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tma_add else None
-        # entry[j]: signals from the device j places behind (slot 0 unused).
-        entry = ([None] + [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(1, tp)]
-                 if entry_sync else None)
+        if sync:
+            sync.allocate("entry")  # entry[j]: signals from the device j places behind
         leader = (wg == 0) & (block == 0)
-
-        def enter(is_leader):
-            """Returns once every peer has entered this call (its prior work is done, its
-            semaphores zeroed); the leader then re-signals each peer it has seen (phase 2).
-
-            Phase 1 (at the start, below) can land on a peer before that peer's call has
-            begun, where XLA's zeroing of the scratch erases it; phase 2 is sent only after
-            the peer was seen inside the call, so it cannot be erased (module docstring).
-            """
-            if not entry_sync:
-                return
-            for j in range(1, tp):
-                pl.semaphore_wait(entry[j], 1, decrement=False)
-                if is_leader is not None:
-                    @pl.when(is_leader)
-                    def _phase2(j=j):
-                        pl.semaphore_signal(entry[tp - j], 1, device_id=lax.rem(dev - j + tp, tp))
-
-        if entry_sync:
-            @pl.when(leader)
-            def _phase1():
-                for j in range(1, tp):
-                    pl.semaphore_signal(entry[j], 1, device_id=lax.rem(dev + j, tp))
+        enter = sync.enter if sync else (lambda is_leader: None)
+        if sync:
+            sync.start(leader)
 
         pipeline = functools.partial(
             plgpu.emit_pipeline_warp_specialized,
@@ -416,16 +410,8 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
 
         # Every copy of this block has landed: tell each peer, then wait for all of theirs.
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-        if tp > 1:
-            @pl.when(wg < 2)
-            def _signal():
-                enter(None)  # a block without tiles has not checked yet
-                for j in range(1, tp):
-                    pl.semaphore_signal(done_sem, 1, device_id=lax.rem(dev + j, tp))
-
-            @pl.when(leader)
-            def _wait():
-                pl.semaphore_wait(done_sem, value=2 * num_sms * (tp - 1), decrement=False)
+        if sync:
+            sync.finish(wg < 2, leader, writers_per_device=2 * num_sms)
 
     out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
     if tp > 1 and not tma_add:
@@ -499,23 +485,45 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     kw = dict(axis_name=axis_name, tp=tp, out_dtype=out_dtype, config=config, layer=layer_arr,
               num_sms=num_sms)
-    if config.reduce == "tma_add":
+    if config.reduce == "tma_add" and not config.stream_k:
         # TMA tiling wants rows in multiples of 8 (757 -> 760, not 768); the rest of the
         # last tile is out of bounds (zero on load, dropped on store).  The final slice
         # fuses into the consumer.
-        pad8 = ((0, -m % 8), (0, 0))
-        x = jnp.pad(x, pad8)
-        if addend is not None:
-            addend = jnp.pad(addend.astype(out_dtype), pad8)
+        x, addend = _pad_rows(x, addend, 8, out_dtype)
         out, _ = _kernel(x, w_fp8, scale1, addend, **kw)
         return out[:m]
-    m_pad = -(-m // config.tile_m) * config.tile_m
-    pad = ((0, m_pad - m), (0, 0))
-    x = jnp.pad(x, pad)
-    if addend is not None:
-        addend = jnp.pad(addend.astype(out_dtype), pad)
-    own, received = _kernel(x, w_fp8, scale1, addend, **kw)
+    if config.stream_k:
+        x, addend = _pad_rows(x, addend, 8, out_dtype)  # the stream-K kernel's TMA bounds
+        own, received = _stream_k(x, w_fp8, scale1, addend, **kw)
+    else:
+        x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
+        own, received = _kernel(x, w_fp8, scale1, addend, **kw)
     total = own.astype(jnp.float32)
     if received is not None:
         total = total + received.astype(jnp.float32).sum(0)
     return total[:m].astype(out_dtype)
+
+
+def _pad_rows(x, addend, multiple: int, out_dtype):
+    """x [M, K] and addend [M, N] (or None, cast to out_dtype) with zero rows appended up to
+    a multiple of ``multiple``."""
+    pad = ((0, -x.shape[0] % multiple), (0, 0))
+    x = jnp.pad(x, pad)
+    if addend is not None:
+        addend = jnp.pad(addend.astype(out_dtype), pad)
+    return x, addend
+
+
+def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms):
+    """The stream-K kernel with the peer exchange: (own [Mx, N], received [tp-1, Mx, N] or
+    None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer."""
+    from pallas_kernels import fp8_gemm_stream_k
+
+    if layer is None:  # one weight: a stack of one (a reshape, no copy)
+        w, layer = w[None], jnp.zeros((1,), jnp.int32)
+    m_iters = -(-x.shape[0] // config.tile_m)
+    n_iters = w.shape[-2] // (2 * config.tile_n)
+    teams = fp8_gemm_stream_k.num_teams(m_iters, n_iters, num_sms or device_sm_count())
+    out = fp8_gemm_stream_k.kernel(x, w, scale, addend, layer, out_dtype=out_dtype,
+                                   config=config, teams=teams, axis_name=axis_name, tp=tp)
+    return out if tp > 1 else (out, None)

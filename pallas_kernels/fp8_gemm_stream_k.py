@@ -62,10 +62,13 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8_gemm_allreduce import smem_transforms
-from pallas_kernels.mgpu_sync import fence_proxy_async_global
+from pallas_kernels.mgpu_sync import PeerSync, fence_proxy_async_global
 
 FP8 = jnp.float8_e4m3fn
 KERNEL_NAME = "fp8_gemm_stream_k"
+# The same kernel on tp > 1 devices, its tiles pushed to the peers (profiler traces class it
+# with the fused GEMM + all-reduce).
+ALLREDUCE_KERNEL_NAME = "fp8_gemm_allreduce_stream_k"
 COMPUTE_WGS = 2
 PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as bf16's 64)
 # The compute warpgroups' named scopes in a profile (``profile_dir``): each segment's K
@@ -123,14 +126,24 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
 
 
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
-           interpret: bool = False, profile_dir: str = ""):
+           interpret: bool = False, profile_dir: str = "", axis_name: str = "tp", tp: int = 1):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
-    [Mx, N].
+    [Mx, N] (tp = 1), or (own [Mx, N], received [tp - 1, Mx, N]) on tp > 1 devices.
+
+    tp > 1 (inside shard_map over ``axis_name``; the fused GEMM + all-reduce,
+    ``fp8_gemm_allreduce.gemm_allreduce`` with ``Config(stream_k=True)``): every finished
+    output sub-tile is also stored into each peer's receive slot (``plgpu.remote_ref``;
+    slot of sender d on peer d + j: tp - 1 - j), under the fused kernel's entry handshake
+    and done count (``mgpu_sync.PeerSync``; ``config.entry_sync``), and the caller sums own
+    + received. A cut tile is finished as at tp = 1 before it travels: 'xla' merges the
+    float32 partial locally, so only whole tiles cross NVLink; 'tma_add' also sends the
+    later piece and reduce-adds the owner's piece onto it in every receive slot (the
+    piece's stores complete, and are signalled at system scope, before the owner adds).
 
     config: ``fp8_gemm_allreduce.Config`` (tile_m, tile_n per compute warpgroup, tile_k,
     stages, epi_m, epi_n, reduce: how cut tiles are summed); grid order and mma_in_flight do
     not apply.
-    interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
+    interpret: the Mosaic GPU interpreter (CPU; tp = 1). It has no semaphores and runs the blocks
     one after another: there the last block runs first and the semaphore operations are
     left out, so every partial is written before its owner reads it (the fences and
     semaphores themselves are checked on the GPU only).
@@ -154,6 +167,12 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         raise ValueError(f"stream-K needs 1 <= teams <= N tiles ({n_iters}), got {teams}")
     ctas = teams * m_iters
     partials = has_partials(n_iters, k_iters, teams)
+    peers = tp > 1
+    if peers and interpret:
+        raise ValueError("the interpreter has no remote refs: stream-K on peers runs on GPUs only")
+    # The partials' semaphores order stores to this GPU only, unless a cut tile's piece also
+    # went to the peers (tma_add on tp > 1): then at system scope.
+    sem_scope = "sys" if peers and c.reduce == "tma_add" else "gpu"
     if c.reduce not in ("xla", "tma_add"):
         raise ValueError(f"stream-K merges cut tiles in shared memory ('xla') or by TMA "
                          f"reduce-add ('tma_add'), got reduce={c.reduce!r}")
@@ -169,11 +188,11 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 for en in range(c.tile_n // PART_EPI_N)]
 
     def body(x_ref, w_ref, scale_ref, layer_ref, *refs):
-        if has_addend:
-            addend_ref, out_ref, part_ref, stage_u, out_u, bars = refs
-        else:
-            addend_ref = None
-            out_ref, part_ref, stage_u, out_u, bars = refs
+        refs = list(refs)
+        addend_ref = refs.pop(0) if has_addend else None
+        out_ref = refs.pop(0)
+        recv_ref = refs.pop(0) if peers else None
+        part_ref, stage_u, out_u, bars = refs
         w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
         if f32_parts:
             (x_smem, w_smem), pbuf = stage_u
@@ -192,6 +211,10 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
         sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
                 if partials and not interpret else None)
+        sync = PeerSync(axis_name, tp, c.entry_sync).allocate() if peers else None
+        leader = (wg == 0) & (cta == 0)
+        if sync:
+            sync.start(leader)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -238,7 +261,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 if interpret:
                     return
                 fence_proxy_async_global()
-                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope="gpu")
+                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope=sem_scope)
 
             def mainloop(t, kb, ke):
                 def run(acc_ref):
@@ -299,7 +322,17 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                              + out_smem[wg, slot].astype(jnp.float32))
                     out_smem[wg, slot] = y.astype(out_dtype)
                     plgpu.commit_smem()
-                    if add and not interpret:
+                    if peers:  # the own output and every peer's receive slot, one group
+                        red = {"reduction_op": "add"} if add else {}
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
+                                                commit_group=False, **red)
+                        for j in range(1, tp):
+                            remote = plgpu.remote_ref(recv_ref.at[tp - 1 - j], sync.peer(j))
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                remote.at[m_sl, n_sl].at[rows, cols], commit_group=False, **red)
+                        plgpu.commit_smem_to_gmem_group()
+                    elif add and not interpret:
                         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
                                                 reduction_op="add")
                     else:
@@ -318,7 +351,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     if not interpret:
                         src = cta + m_iters
                         plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
-                                             decrement=False, memory_scope="gpu")
+                                             decrement=False, memory_scope=sem_scope)
                         fence_proxy_async_global()
                 with jax.named_scope("merge_store"):
                     store_tile(acc, t, add=True)
@@ -332,7 +365,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     src = cta + m_iters  # the next team's block on the same M tile
                     if not interpret:
                         plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
-                                             decrement=False, memory_scope="gpu")
+                                             decrement=False, memory_scope=sem_scope)
                         fence_proxy_async_global()
                     plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
                     plgpu.barrier_wait(pbars.at[wg])
@@ -344,6 +377,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 kb, ke = segment(u0, u1, t, k_iters, jnp.maximum, jnp.minimum)
                 with jax.named_scope("mainloop"):
                     acc = mainloop(t, kb, ke)
+                if sync:  # before this warpgroup's first store: every peer is in the call
+                    pl.when(t == t_first)(lambda: sync.enter(leader))
                 if not partials:
                     with jax.named_scope("store"):
                         store_tile(acc, t, merged=False)
@@ -357,6 +392,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
 
             with jax.named_scope("drain"):
                 plgpu.wait_smem_to_gmem(0)
+            if sync:  # every copy of this warpgroup has landed: tell the peers, wait for theirs
+                sync.finish(wg < COMPUTE_WGS, leader, writers_per_device=COMPUTE_WGS * ctas)
 
     x_st = plgpu.SMEM((stages, c.tile_m, c.tile_k), FP8, transforms=in_tf)
     w_st = plgpu.SMEM((stages, cta_n, c.tile_k), FP8, transforms=in_tf)
@@ -386,15 +423,17 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
 
     part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if f32_parts
                   else (1, COMPUTE_WGS, 8, PART_EPI_N))
-    out, _ = plgpu.kernel(
+    out_type = [jax.ShapeDtypeStruct((mx, n), out_dtype)]
+    if peers:
+        out_type.append(jax.ShapeDtypeStruct((tp - 1, mx, n), out_dtype))
+    outs = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((mx, n), out_dtype),
-                  jax.ShapeDtypeStruct(part_shape, jnp.float32)),
+        out_type=(*out_type, jax.ShapeDtypeStruct(part_shape, jnp.float32)),
         grid=(ctas,),
         grid_names=("ctas",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        kernel_name=KERNEL_NAME,
+        kernel_name=ALLREDUCE_KERNEL_NAME if peers else KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
             # ranges per warpgroup: two per segment (a range has at most
@@ -403,4 +442,4 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             profile_dir=profile_dir),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(x, w, scale, layer, *((addend,) if has_addend else ()))
-    return out
+    return (outs[0], outs[1]) if peers else outs[0]

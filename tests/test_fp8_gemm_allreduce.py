@@ -52,8 +52,13 @@ def test_fallback_matches_reference(tp):
     assert _rel_err(out, ref) < 1e-2
 
 
+_SK_TMA_ADD = fused.Config(stream_k=True, stages=4, reduce="tma_add")
+
+
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.CONFIG_TMA_ADD])
+@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.CONFIG_TMA_ADD,
+                                    fused.STREAM_K_CONFIG, _SK_TMA_ADD],
+                         ids=["run1", "tma_add", "stream_k", "stream_k_tma_add"])
 def test_kernel_lowers_for_cuda_point_to_point_only(tp, config):
     """The Mosaic GPU kernel lowers for tp peers with point-to-point stores only (no NVLS)."""
     mesh = _mesh(tp)
@@ -79,7 +84,8 @@ def test_bad_tiles_are_rejected():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.Config(tile_m=64, stages=4),
                                     fused.CONFIG_TMA_ADD,
-                                    fused.Config(reduce="tma_add", tile_m=64, stages=4)])
+                                    fused.Config(reduce="tma_add", tile_m=64, stages=4),
+                                    fused.STREAM_K_CONFIG, _SK_TMA_ADD])
 def test_kernel_on_all_gpus_matches_reference(config):
     if jax.default_backend() != "gpu" or not fused.is_supported():
         pytest.skip("needs NVIDIA Hopper GPUs")
@@ -183,6 +189,30 @@ def test_stacked_weight_is_read_in_place_at_tp(tp):
     assert slices == []
     # The sliced form does slice (the check sees it).
     assert "stablehlo.dynamic_slice" in _lower_scan(mesh, tp, layers=4, stacked=False)
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+@pytest.mark.parametrize("config", [fused.STREAM_K_CONFIG, _SK_TMA_ADD], ids=["f32", "tma_add"])
+def test_stream_k_exchange_lowers_at_57b_down_shapes(tp, config):
+    """Config(stream_k=True) at tp = 2, 3, 4 (odd too), the model's MLP-down per GPU (N 9216,
+    K 32256 / tp, 757 rows) in a scan over the stacked weight with the addend: one Mosaic
+    call, the stream-K kernel with the peers' receive buffer ([tp - 1, 760, N]: rows padded
+    to 8, not to the tile), the whole stack handed in, and the semaphores (done, the tp - 1
+    entry slots and the cut tiles' 2 per block) zero-filled at the call."""
+    from pallas_kernels import fp8_gemm_stream_k as sk
+
+    mesh = _mesh(tp)
+    k = 32256 // tp
+    text = _lower_scan(mesh, tp, layers=2, n=9216, k=k, config=config, stacked=True, addend=True)
+    calls = _mosaic_calls(text)
+    assert len(calls) == 1
+    line, _ = calls[0]
+    outs = line.rsplit("->", 1)[-1]
+    assert f"tensor<{tp - 1}x760x9216xbf16>" in outs and "tensor<760x9216xbf16>" in outs
+    assert f"tensor<2x9216x{k}xf8E4M3FN>" in line.rsplit(":", 1)[-1]
+    teams = sk.num_teams(6, 9216 // 256, 132)
+    assert f"tensor<{1 + (tp - 1) + 2 * 6 * teams}xi32>" in outs  # the semaphores
+    assert "multimem" not in text and "multicast" not in text
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -346,7 +376,8 @@ _PSUM = {}  # stacked -> the psum path's [L, M, N] (one run per weight form)
     fused.Config(),
     pytest.param(fused.CONFIG_NO_ENTRY_SYNC, marks=pytest.mark.xfail(
         strict=False, reason="run 1's synchronization (no entry handshake): informational")),
-], ids=["entry_sync", "run1_sync"])
+    fused.STREAM_K_CONFIG, _SK_TMA_ADD,
+], ids=["entry_sync", "run1_sync", "stream_k", "stream_k_tma_add"])
 def test_fused_block_in_scan_at_57b_shapes(stacked, config):
     """The model's call: attention-out (addend) + MLP-down (fused), 8 layers with distinct
     weights in one lax.scan, 2 GPUs, M = 757.  Every layer's output against the float32
@@ -368,14 +399,16 @@ def test_fused_block_in_scan_at_57b_shapes(stacked, config):
 
 
 @pytest.mark.gpu
-def test_fused_block_with_a_late_peer():
+@pytest.mark.parametrize("config", [None, fused.STREAM_K_CONFIG], ids=["default", "stream_k"])
+def test_fused_block_with_a_late_peer(config):
     """GPU 1 starts the first fused call ~5 ms after GPU 0 (a dummy loop runs on GPU 1
     only): GPU 0 must not write into GPU 1's receive buffer, or signal its semaphores,
     before GPU 1's call has begun.  Correct results and no hang (entry handshake)."""
     mesh = _need_two_hopper_gpus()
     *args, ref = _block_problem(1234)
     _poison(mesh)
-    out = _run_block_scan(mesh, args, method="pallas", stacked=True, skew_ms=5.0)
+    out = _run_block_scan(mesh, args, method="pallas", stacked=True, skew_ms=5.0,
+                          config=config)
     _check_layers(out, ref, 1e-2, "pallas, GPU 1 late by ~5 ms")
 
 

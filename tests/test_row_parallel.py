@@ -277,3 +277,19 @@ def test_stacked_pallas_at_tp1_runs_the_stream_k_gemms(monkeypatch):
     assert fp8_gemm_stream_k.KERNEL_NAME in text and fp8_gemm_allreduce.KERNEL_NAME not in text
     sigs = [ln.rsplit(":", 1)[-1] for ln in calls]
     assert "tensor<760x512xbf16>" in sigs[1].split("->")[0]  # the addend chain
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_pallas_stream_k_method_runs_the_stream_k_exchange(monkeypatch, tp):
+    """'pallas-stream-k': attention-out from the stacked kernel, then MLP-down on the
+    stream-K kernel with the peer exchange (its receive buffer [tp - 1, 760, N]), the
+    own + received sum after it; no all-reduce, no weight slice."""
+    from pallas_kernels import fp8_gemm_stream_k
+
+    text = _lower_block_for_cuda(monkeypatch, "pallas-stream-k", tp=tp)
+    calls = _calls(text)
+    assert len(calls) == 2
+    assert fp8_gemm_stream_k.ALLREDUCE_KERNEL_NAME in text
+    assert f"tensor<{tp - 1}x760x512xbf16>" in calls[1].rsplit("->", 1)[-1]
+    assert "all_reduce" not in text
+    assert _no_weight_slices(text)

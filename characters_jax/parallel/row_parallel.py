@@ -23,6 +23,9 @@ Methods (the ``method`` argument):
               (``pallas_kernels.fp8_gemm_allreduce``), NVIDIA Hopper only; output
               tiles are pushed to the peers as they finish while later tiles compute.
               Stacked weights (``Fp8Weight.layer``) are read in place by the kernel.
+  'pallas-stream-k'  the same exchange on the stream-K schedule of the stacked GEMM
+              (``fp8_gemm_allreduce.STREAM_K_CONFIG``: the K steps dealt out evenly
+              over the SMs, cut tiles merged on the own GPU before they travel).
               At tp = 1 there is nothing to reduce: stacked weights then take the
               'psum' path, whose stacked GEMMs use the stream-K schedule (the fused
               kernel's data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
@@ -46,7 +49,9 @@ from characters_jax.parallel.fp8_linear import (
     Fp8Activation, Fp8Weight, fp8_dot, linear, quantize_activation, stacked_gemm_runs_kernel,
     stacked_linear)
 
-METHODS = ("psum", "ppermute", "pallas", "auto")
+METHODS = ("psum", "ppermute", "pallas", "pallas-stream-k", "auto")
+# The fused kernel's methods and the Config each runs (None: its DEFAULT_CONFIG).
+FUSED_METHODS = ("pallas", "pallas-stream-k")
 # 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
 AUTO_FUSED_MAX_PAIRS = 2
 # FP8 GEMMs want M a multiple of 16 (XLA pads x and slices the output otherwise);
@@ -227,7 +232,7 @@ def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
     return _ring_all_reduce_rows(chunk_partial, m, tp, axis_name)
 
 
-def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, stream_k: bool = False) -> jax.Array:
     from pallas_kernels import fp8_gemm_allreduce
 
     # The fused kernel runs the pair with the largest K; the others are computed first
@@ -244,8 +249,9 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
         addend = local_partial(rest, out_dtype)
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
+    config = fp8_gemm_allreduce.STREAM_K_CONFIG if stream_k else None
     return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.layer_scale, layer=w.layer, addend=addend,
-                                             axis_name=axis_name, out_dtype=out_dtype)
+                                             axis_name=axis_name, out_dtype=out_dtype, config=config)
 
 
 def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
@@ -257,7 +263,7 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
         pairs whose products are summed before the single reduction.
       w_shard: [N, K/tp] ``Fp8Weight`` or float array (omit when passing pairs).
       axis_name: the tensor-parallel mesh axis.
-      method: 'psum' | 'ppermute' | 'pallas' | 'auto' (module docstring).
+      method: 'psum' | 'ppermute' | 'pallas' | 'pallas-stream-k' | 'auto' (module docstring).
       out_dtype: dtype of the result and of the communicated partials
         (default: the first activation's dtype).
     Returns:
@@ -267,7 +273,7 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     _check_pairs(pairs)
     out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
     method = resolve_method(method, jax.default_backend(), pairs)
-    if method == "pallas" and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
+    if method in FUSED_METHODS and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
         method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
         return _psum_matmul_reduce(pairs, axis_name, out_dtype)
@@ -275,7 +281,7 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
         # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
         pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
         return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
-    return _pallas_matmul_reduce(pairs, axis_name, out_dtype)
+    return _pallas_matmul_reduce(pairs, axis_name, out_dtype, stream_k=method == "pallas-stream-k")
 
 
 def reduce(partial: jax.Array, *, axis_name: str = "tp", method: str = "psum") -> jax.Array:
