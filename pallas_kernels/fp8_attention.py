@@ -74,6 +74,7 @@ Hopper GPU when K/V are FP8 and D == 128, the reference elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -1562,52 +1563,63 @@ def default_stages(v_transposed: bool) -> int:
     return 3 if v_transposed else 2
 
 
-def kernel_options(h: int, valid, *, tq: int, block_kv: int = 128, stages: int | None = None,
-                   v_in_kernel: bool = True, persistent: bool = True,
-                   num_sms: int | None = None, pingpong: bool = False, l_in_pv: bool = True,
-                   fast_unmasked: bool = True, overlap: str = "",
-                   bit_exp2: bool = False, q_in_kernel: bool = False,
-                   q_split: bool = True, p_codes: int | None = None,
-                   lazy_rescale: bool = True, wide_v_transpose: bool = True,
-                   v_transposed: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """The Pallas kernel's options, with their defaults, as :func:`attention_pallas` and
+    :func:`kernel_options` take them (keywords); :func:`attention_pallas` documents them."""
+
+    block_kv: int = 128
+    stages: int | None = None
+    q_split: bool = True
+    v_in_kernel: bool = True
+    persistent: bool = True
+    num_sms: int | None = None
+    pingpong: bool = False
+    l_in_pv: bool = True
+    fast_unmasked: bool = True
+    overlap: str = ""
+    bit_exp2: bool = False
+    q_in_kernel: bool = False
+    p_codes: int | None = None
+    lazy_rescale: bool = True
+    wide_v_transpose: bool = True
+    v_transposed: bool = False
+
+
+KERNEL_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(KernelOptions))
+
+
+def kernel_options(h: int, valid, *, tq: int, **options) -> dict:
     """The keyword arguments of :func:`_fp8_attention_call` (all but the output's dtype and
-    clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S]: the CTA count
-    of the schedule and the per-block mask flags that the softmax options need; q_split
-    matters only with q_in_kernel (how many e4m3 parts the kernel makes of Q); stages None:
-    :func:`default_stages`; p_codes None: 1 where the other options allow it (the row sums
-    from the tensor core, no bit_exp2), else 0."""
-    if stages is None:
-        stages = default_stages(v_transposed)
-    if p_codes is None:
-        p_codes = int(l_in_pv and v_in_kernel and not bit_exp2)
+    clipping) for ``h`` heads, ``tq`` queries and the slot mask ``valid`` [S], from
+    :class:`KernelOptions` keywords: the CTA count of the schedule and the per-block mask
+    flags that the softmax options need; q_split matters only with q_in_kernel (how many
+    e4m3 parts the kernel makes of Q); stages None: :func:`default_stages`; p_codes None: 1
+    where the other options allow it (the row sums from the tensor core, no bit_exp2),
+    else 0."""
+    o = KernelOptions(**options)
+    stages = default_stages(o.v_transposed) if o.stages is None else o.stages
+    p_codes = (int(o.l_in_pv and o.v_in_kernel and not o.bit_exp2) if o.p_codes is None
+               else o.p_codes)
     n_tiles = h * -(-tq // (COMPUTE_WGS * BLOCK_Q))
-    nb = -(-valid.shape[0] // block_kv)
+    nb = -(-valid.shape[0] // o.block_kv)
     return dict(
-        tq=tq, block_kv=block_kv, stages=stages, v_in_kernel=v_in_kernel,
-        num_ctas=stream_k_ctas(n_tiles, nb, min(stages, nb), num_sms) if persistent else None,
-        pingpong=pingpong, l_in_pv=l_in_pv and v_in_kernel, fast_unmasked=fast_unmasked,
-        block_masked=block_masked_flags(valid, block_kv) if fast_unmasked else None,
-        overlap=overlap, bit_exp2=bit_exp2,
-        q_in_kernel=(2 if q_split else 1) if q_in_kernel else 0, p_codes=p_codes,
-        lazy_rescale=lazy_rescale,
-        wide_v_transpose=wide_v_transpose and v_in_kernel and not v_transposed,
-        vt_stored=v_transposed)
+        tq=tq, block_kv=o.block_kv, stages=stages, v_in_kernel=o.v_in_kernel,
+        num_ctas=(stream_k_ctas(n_tiles, nb, min(stages, nb), o.num_sms) if o.persistent
+                  else None),
+        pingpong=o.pingpong, l_in_pv=o.l_in_pv and o.v_in_kernel,
+        fast_unmasked=o.fast_unmasked,
+        block_masked=block_masked_flags(valid, o.block_kv) if o.fast_unmasked else None,
+        overlap=o.overlap, bit_exp2=o.bit_exp2,
+        q_in_kernel=(2 if o.q_split else 1) if o.q_in_kernel else 0, p_codes=p_codes,
+        lazy_rescale=o.lazy_rescale,
+        wide_v_transpose=o.wide_v_transpose and o.v_in_kernel and not o.v_transposed,
+        vt_stored=o.v_transposed)
 
 
-@functools.partial(jax.jit, static_argnames=("block_kv", "stages", "clip_out", "q_split",
-                                             "v_in_kernel", "persistent", "num_sms",
-                                             "pingpong", "l_in_pv", "fast_unmasked",
-                                             "overlap", "bit_exp2", "q_in_kernel",
-                                             "p_codes", "lazy_rescale",
-                                             "wide_v_transpose", "v_transposed"))
-def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: int = 128,
-                     stages: int | None = None, clip_out: bool = False, q_split: bool = True,
-                     v_in_kernel: bool = True, persistent: bool = True,
-                     num_sms: int | None = None, pingpong: bool = False,
-                     l_in_pv: bool = True, fast_unmasked: bool = True,
-                     overlap: str = "", bit_exp2: bool = False, q_in_kernel: bool = False,
-                     p_codes: int | None = None, lazy_rescale: bool = True,
-                     wide_v_transpose: bool = True, v_transposed: bool = False):
+@functools.partial(jax.jit, static_argnames=("clip_out",) + KERNEL_OPTION_NAMES)
+def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, clip_out: bool = False,
+                     **options):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1629,40 +1641,33 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, block_kv: 
     v_transposed: ``v`` is V^T as :func:`transpose_v` makes it ([(L,) H, D, S']); the
     kernel copies its blocks as they are (``vt_stored``: no transpose). Needs v_in_kernel.
     stages: the K/V pipeline depth, None for :func:`default_stages` (3 with v_transposed).
+    options: these, as :class:`KernelOptions` keywords (an unknown name is a TypeError).
     """
     tq, h, d = q.shape
-    if v_transposed and not v_in_kernel:
+    o = KernelOptions(**options)
+    if o.v_transposed and not o.v_in_kernel:
         raise ValueError("v_transposed needs v_in_kernel=True")
     if k.dtype != F8 or v.dtype != F8:
         raise TypeError("attention_pallas needs float8_e4m3fn K/V")
-    if layer is not None and not v_in_kernel:
+    if layer is not None and not o.v_in_kernel:
         k, v = _layer_of(k, layer), _layer_of(v, layer)
         layer = None
     call = functools.partial(_fp8_attention_call, out_dtype=jnp.bfloat16, clip_out=clip_out,
-                             **kernel_options(h, valid, tq=tq, block_kv=block_kv,
-                                              stages=stages, v_in_kernel=v_in_kernel,
-                                              persistent=persistent, num_sms=num_sms,
-                                              pingpong=pingpong, l_in_pv=l_in_pv,
-                                              fast_unmasked=fast_unmasked,
-                                              overlap=overlap, bit_exp2=bit_exp2,
-                                              q_in_kernel=q_in_kernel, q_split=q_split,
-                                              p_codes=p_codes, lazy_rescale=lazy_rescale,
-                                              wide_v_transpose=wide_v_transpose,
-                                              v_transposed=v_transposed))
-    if q_in_kernel and not v_in_kernel:
+                             **kernel_options(h, valid, tq=tq, **options))
+    if o.q_in_kernel and not o.v_in_kernel:
         raise ValueError("q_in_kernel needs v_in_kernel=True")
-    if v_in_kernel:
-        if q_in_kernel:
+    if o.v_in_kernel:
+        if o.q_in_kernel:
             q8, scales, bias = _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid,
-                                                           block_kv)
+                                                           o.block_kv)
         else:
             q8, scales, bias = _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid,
-                                                           block_kv, q_split)
+                                                           o.block_kv, o.q_split)
         layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
         out = call(q8, k, v, scales, bias, layer=layer_arr)
     else:
-        q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv,
-                                               q_split)
+        q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, o.block_kv,
+                                               o.q_split)
         out = call(q8, k, vt, scales, bias)
     return out[:tq].astype(q.dtype)
 
