@@ -199,7 +199,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             out_smem, pstage = out_u
         else:
             (x_smem, w_smem), pbuf, out_smem, pstage = stage_u, None, out_u, None
-        full, empty, misc, pbars, both_done = bars
+        full, empty, misc, *merge_bars = bars
+        pbars, both_done = merge_bars if f32_parts else (None, None)
         wg = lax.axis_index("wg")
         cta = lax.axis_index("ctas")
         if interpret:  # blocks run in turn: the owners (lower numbers) after their partials
@@ -409,9 +410,9 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         stage_spec, out_spec = (x_st, w_st), out_st
     bars = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # full: x and w landed
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # empty
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # the addend's sub-tile per wg
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),  # the partial's load per wg
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # both mainloops done (merge)
+            plgpu.Barrier(num_barriers=COMPUTE_WGS))  # the addend's sub-tile per wg
+    if f32_parts:  # the float32 merge: the partial's load per wg, both mainloops done
+        bars += (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
 
     def entry(*refs):
         n_in = 5 if has_addend else 4
