@@ -267,3 +267,33 @@ def test_noise_ulp_nudge_moves_each_element_by_one_ulp():
     a = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32"), 3)
     b = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32", options=EngineOptions(noise_ulp_seed=5)), 3)
     assert 0 < rel(b, a) < 1e-5
+
+
+def _ops_inside_loops(text: str, op: str) -> tuple[int, int]:
+    """(all, inside a stablehlo.while) occurrences of `op` in StableHLO text."""
+    depth, loops, total, inside = 0, [], 0, 0  # loops: [depth before the op, entered]
+    for line in text.splitlines():
+        if op in line:
+            total += 1
+            inside += bool(loops)
+        if "stablehlo.while" in line:
+            loops.append([depth, False])
+        depth += line.count("{") - line.count("}")
+        if loops and depth > loops[-1][0]:
+            loops[-1][1] = True  # inside its regions (cond { ... } do { ... })
+        while loops and loops[-1][1] and depth <= loops[-1][0]:
+            loops.pop()
+    return total, inside
+
+
+def test_rope_angles_are_computed_once_per_step():
+    """The new tokens' RoPE angles (cos, sin) are computed once per step, outside the block
+    scan: no sine inside any loop of the step program (inside the scan XLA recomputed them
+    for every block and pass: a dot and two elementwise kernels each, 720 kernels a step at
+    characters-57b)."""
+    gen = DiTGenerator(CFG, tp=4)
+    audio = jnp.ones((CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim))
+    text = gen.engine.step.trace(gen.params, gen.state, audio).lower().as_text()
+    total, inside = _ops_inside_loops(text, "stablehlo.sine")
+    assert total >= 1 and inside == 0, (total, inside)
+    assert _ops_inside_loops(text, "stablehlo.while")[0] >= 4  # the block scans are loops

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from characters_jax.cache import kv_cache as kvc
+from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.numerics import harness as H
 from characters_jax.numerics import report as rep
 from characters_jax.numerics.metrics import Divergence, Spread, judge, psnr, rel_l2
@@ -50,11 +51,13 @@ def test_wrong_rope_offset_is_flagged(harness, monkeypatch):
     """Ring keys rotated one frame late: every relative time distance is off by one."""
     setup, ref = harness
     write = kvc.write
+    m = setup.config.model
+    freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
 
-    def late_write(layout, cache, layer, offset, k, v, positions, freqs):
-        if layout.mode == "ring":
-            positions = positions + jnp.array([1, 0, 0], positions.dtype)
-        return write(layout, cache, layer, offset, k, v, positions, freqs)
+    def late_write(layout, cache, layer, offset, k, v, rope):
+        if layout.mode == "ring":  # one frame more: rotations compose additively
+            k = rotate(k, rope_angles(jnp.tile(jnp.array([[1, 0, 0]]), (k.shape[0], 1)), freqs))
+        return write(layout, cache, layer, offset, k, v, rope)
 
     monkeypatch.setattr(kvc, "write", late_write)
     row, report = verdict(harness, H.run_variant(setup, "ring-bf16", ref.base_frames))

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from characters_jax.config import Config
-from characters_jax.model.rope import apply_rope
+from characters_jax.model.rope import apply_rope, rope_angles, rotate
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -195,14 +195,15 @@ def set_scales(layout: CacheLayout, cache: KVCache, layer: jax.Array, k_norm_gai
     )
 
 
-def write(layout: CacheLayout, cache: KVCache, layer: jax.Array, offset: jax.Array, k_new: jax.Array, v_new: jax.Array, positions: jax.Array, freqs) -> KVCache:
+def write(layout: CacheLayout, cache: KVCache, layer: jax.Array, offset: jax.Array, k_new: jax.Array, v_new: jax.Array, rope) -> KVCache:
     """Writes T new tokens of one block into slots [offset, offset + T) in place.
 
-    k_new, v_new: [T, H, D] (k after QK-norm, not yet rotated); positions: [T, 3] int32.
+    k_new, v_new: [T, H, D] (k after QK-norm, not yet rotated); rope: (cos, sin) [T, D/2] of
+    the new tokens' positions (`rope_angles`, computed once for all blocks).
     ring: K rotated here, then both quantized (FP8) or cast. launch: stored unrotated.
     """
     if layout.mode == "ring":
-        k_new = apply_rope(k_new, positions, freqs)
+        k_new = rotate(k_new, rope)
     if layout.quantized and layout.mode == "ring":
         k_new = quantize(k_new, cache.k_scale[layer])
         v_new = quantize(v_new, cache.v_scale[layer])
@@ -282,13 +283,13 @@ def rotate_ring(layout: CacheLayout, cache: KVCache, delta: jax.Array, freqs) ->
         return cache
     s = layout.sink_slots
     ring_slots = layout.slots - s
-    pos = jnp.broadcast_to(delta.astype(jnp.int32), (ring_slots, 3))
+    rope = rope_angles(jnp.broadcast_to(delta.astype(jnp.int32), (ring_slots, 3)), freqs)
 
     def body(layer, k):
         ring = jax.lax.dynamic_slice_in_dim(k[layer], s, ring_slots, axis=0)  # [R, H, D]
         scale = cache.k_scale[layer]
         x = dequantize(layout.from_storage(ring), scale) if layout.quantized else ring.astype(jnp.float32)
-        x = apply_rope(x, pos, freqs)
+        x = rotate(x, rope)
         x = layout.to_storage(quantize(x, scale) if layout.quantized else x)
         return jax.lax.dynamic_update_slice(k, x[None], (layer, jnp.int32(s), jnp.int32(0), jnp.int32(0)))
 

@@ -27,7 +27,7 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import Config, ConfigError
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DiT, scan_blocks
-from characters_jax.model.rope import apply_rope, rope_frequencies
+from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention
@@ -221,6 +221,7 @@ class Engine:
         token_valid: [T] bool, given at prefill (then the FP8 scales are fixed here).
         """
         layout, freqs, opts = self.layout, self.freqs, self.options
+        rope = rope_angles(positions, freqs)  # once, outside the block scan
 
         def reduce(pairs):
             with jax.named_scope("out_down_reduce"):
@@ -232,13 +233,13 @@ class Engine:
                 with jax.named_scope("cache_upkeep"):
                     if token_valid is not None:
                         c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
-                    c = kvc.write(layout, c, layer, offset, k, v, positions, freqs)
+                    c = kvc.write(layout, c, layer, offset, k, v, rope)
                     # Ring: attention gets the whole K/V stacks and the layer; the Pallas
                     # kernel reads the layer in place, the other impls slice it (an XLA copy).
                     in_place = layout.mode == "ring" and opts.kv_in_place
                     kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
                 with jax.named_scope("attention"):
-                    o = attention(apply_rope(q, positions, freqs), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
+                    o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
                 return o, c
 
             return block(x, shared_mod, attend, reduce, layer=layer)
@@ -342,11 +343,12 @@ class Engine:
             state, checksum = carry
             state = self._reset_positions(state)
             pos, offset, valid, slot_positions = self._begin_frame(state)
+            rope = rope_angles(pos, self.freqs)
 
             def body(layer, c):
                 cache, checksum = c
                 kv = new_kv[layer].astype(jnp.float32)
-                cache = kvc.write(layout, cache, layer, offset, kv, kv, pos, self.freqs)
+                cache = kvc.write(layout, cache, layer, offset, kv, kv, rope)
                 # As the step: the ring cache's stacks go whole to an attention that reads the
                 # layer in place (the Pallas kernel); otherwise the layer's K/V are materialized
                 # (a slice for cuDNN/XLA/reference; launch: re-rotated and re-quantized).

@@ -32,17 +32,32 @@ def rope_frequencies(head_dim: int, rope_split: tuple[int, int, int], theta: flo
     return freqs
 
 
+def rope_angles(positions: jax.Array, freqs: np.ndarray | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin), each float32 [T, D/2], of the rotation angles positions [T, 3] @ freqs.
+
+    Compute them once where many tensors rotate by the same positions (every block's Q and
+    new K within a step): inside the block scan XLA recomputes them per block (a dot and two
+    elementwise kernels each time).
+    """
+    angles = positions.astype(jnp.float32) @ jnp.asarray(freqs)  # [T, D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates x [T, H, D] (any float dtype) by `rope` = (cos, sin) [T, D/2] from
+    `rope_angles`. Computed in float32; returns x.dtype."""
+    cos, sin = (a[:, None, :] for a in rope)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray | jax.Array) -> jax.Array:
     """Rotates x by its 3-D positions.
 
     x: [T, H, D] any float dtype; positions: [T, 3] int32 or float (time, height, width);
     freqs: [3, D/2] from `rope_frequencies`. Computed in float32; returns x.dtype.
     """
-    angles = positions.astype(jnp.float32) @ jnp.asarray(freqs)  # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x.dtype)
+    return rotate(x, rope_angles(positions, freqs))
