@@ -6,12 +6,14 @@ M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 S
 (1.64-2.86 waves), and a block computes 2 or 3 tiles where 1.64 or 2.45 would do.
 Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
 and tile, BUILD_NOTES), which is why the o projection (1.64 waves) was 1.25x cuBLASLt.
-Measured (H200, BUILD_NOTES "Stream-K on the GPU"): per block of four projections
-0.90-0.96x the data-parallel kernel and 0.98-1.00x cuBLASLt. Its profile
-(benchmarks/gemm_profile.py) puts the K loop at the tensor cores' peak (1.04-1.08x the
-1,024 cycles of a 128 x 256 x 128 step) and a fixed 14-17 kcycles per block outside it
-(the merge's wait and load, the float32 partial's stores, the bf16 stores) plus ~4 kcycles
-of tail: 22% of the short-K o projection, which stays 1.2x cuBLASLt.
+Measured (H200, BUILD_NOTES "Stream-K on the GPU", "runs 7-8"): with the float32 merge,
+per block of four projections 0.90-0.96x the data-parallel kernel and 0.98-1.00x
+cuBLASLt; its profile (benchmarks/gemm_profile.py) put the K loop at the tensor cores' peak
+(1.04-1.08x the 1,024 cycles of a 128 x 256 x 128 step) and a fixed 14-17 kcycles per
+block outside it (the merge's wait and load, the float32 partial's stores, the bf16
+stores). With the TMA reduce-add (the default) that fixed cost is 8-11 kcycles, the block
+0.94-0.95x the float32 merge and 0.95-1.01x cuBLASLt, and every projection within 10% of
+cuBLASLt (o 1.06-1.10x).
 
 Stream-K cuts the work finer, along N and K, in teams.  A team is m_iters blocks, one
 per M tile (block c: team g = c // m_iters, M tile mi = c % m_iters); the members run the
