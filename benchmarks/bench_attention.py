@@ -19,7 +19,7 @@ Run (GPU machine):
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import os
 import math
@@ -283,13 +283,13 @@ class _Variants(dict):
 
     def __missing__(self, name):
         if name in ("default", "default_vt"):  # attention_pallas given no options
-            sig = inspect.signature(fa.attention_pallas).parameters
-            opts = {k: sig[k].default for k in ("stages", "q_split", "v_in_kernel",
-                                                "persistent", "pingpong", "l_in_pv",
-                                                "fast_unmasked", "overlap", "bit_exp2",
-                                                "q_in_kernel", "p_codes",
-                                                "lazy_rescale", "wide_v_transpose",
-                                                "v_transposed")}
+            defaults = dataclasses.asdict(fa.KernelOptions())
+            opts = {k: defaults[k] for k in ("stages", "q_split", "v_in_kernel",
+                                             "persistent", "pingpong", "l_in_pv",
+                                             "fast_unmasked", "overlap", "bit_exp2",
+                                             "q_in_kernel", "p_codes",
+                                             "lazy_rescale", "wide_v_transpose",
+                                             "v_transposed")}
             return {**opts, "v_transposed": name == "default_vt"}
         vk, qs, st, *flags = name.split("_") + ["", ""]
         flags = [f for f in flags if f]
