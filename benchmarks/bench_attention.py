@@ -278,8 +278,8 @@ class _Variants(dict):
     with the ping-pong unless '_np'), '_vw' (the wide V transpose), '_vt' (V^T as a cache
     would store it, from fa.transpose_v outside the timing: no transpose in the kernel); e.g.
     'kv_split_s2_lpv_fast_np' (the default of GPU runs 6-19); 'default': attention_pallas's
-    own defaults (V as stored plain); 'default_vt': the same with V^T as the engine's
-    default cache stores it."""
+    own defaults (V as stored plain); 'default_vt': the same with V^T as a V^T cache
+    (--v-cache transposed) stores it."""
 
     def __missing__(self, name):
         if name in ("default", "default_vt"):  # attention_pallas given no options

@@ -17,11 +17,12 @@ Two modes behind one interface (`write`, `attention_operands`, `end_step`, `shif
   frame always sits in the last T slots).
 
 V transposed (`CacheLayout.v_transposed`, ring + FP8 only; `EngineOptions(v_cache=
-"transposed")`, and "auto", the default, wherever the Pallas kernel reads the cache): V
-is stored as the Pallas attention kernel reads it, V^T `[L, H, D, S']` (S' = S rounded
-up to the kernel's 128-key blocks, keys permuted inside 16-slot groups, see
-`pallas_kernels.fp8_attention.transpose_v`), so no attention call transposes V. A write
-rewrites the 16-aligned window of slots around the new tokens (`_write_v_transposed`).
+"transposed")`; not the default): V is stored as the Pallas attention kernel reads it, V^T
+`[L, H, D, S']` (S' = S rounded up to the kernel's 128-key blocks, keys permuted inside
+16-slot groups, see `pallas_kernels.fp8_attention.transpose_v`), so no attention call
+transposes V. A write rewrites the 16-aligned window of slots around the new tokens
+(`_write_v_transposed`); on an H200 that write costs more than the transposes it saves
+(BUILD_NOTES, "The V^T cache in the step").
 
 FP8 scales in `ring` mode: K follows QK-RMSNorm, so |k_i| <= sqrt(D) * max|gain| exactly and
 rotation keeps pair norms: that bound is the K scale (never clips). V has no such bound: its
