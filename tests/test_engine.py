@@ -215,8 +215,11 @@ def test_v_cache_auto_is_plain():
 
     assert not resolve_v_cache("auto") and not resolve_v_cache("plain")
     assert resolve_v_cache("transposed")
-    gen = DiTGenerator(CFG, tp=2, options=EngineOptions())
-    assert not gen.engine.layout.v_transposed
+    from characters_jax.engine.step import Engine
+    from characters_jax.parallel.sharding import make_mesh
+
+    assert not Engine(CFG, make_mesh(2), EngineOptions()).layout.v_transposed
+    assert Engine(CFG, make_mesh(2), EngineOptions(v_cache="transposed")).layout.v_transposed
 
 
 @pytest.mark.parametrize("offset,t", [(0, 37), (5, 40), (16, 32), (1246, 757), (5031, 757), (250, 6)])

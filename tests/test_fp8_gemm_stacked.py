@@ -393,11 +393,11 @@ def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, wit
 
 
 def test_stream_k_lowers_at_characters_57b_shapes():
-    """Three tilings, the four tp = 2 projections, 60 layers: lowered for CUDA within the
-    shared memory (4 stages of 128 x 256 tiles fit, the scale being a scalar; 5 do not), no
-    weight slice."""
-    for config in (st.Config(stream_k=True), st.Config(stream_k=True, stages=4),
-                   st.Config(stream_k=True, tile_n=64, stages=4), st.STREAM_K_CONFIG):
+    """Three tilings (the default's TMA add, the float32 merge, 128 x 128 tiles), the four
+    tp = 2 projections, 60 layers: lowered for CUDA within the shared memory (4 stages of
+    128 x 256 tiles fit, the scale being a scalar; 5 do not), no weight slice."""
+    for config in (st.STREAM_K_CONFIG, st.STREAM_K_F32_CONFIG,
+                   st.Config(stream_k=True, tile_n=64, stages=4)):
         for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
             text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
