@@ -1677,7 +1677,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, clip_out: 
 # --------------------------------------------------------------------------------------
 
 
-def _is_hopper() -> bool:
+def is_hopper() -> bool:
     try:
         dev = jax.devices()[0]
     except RuntimeError:
@@ -1696,7 +1696,7 @@ def resolve_impl(impl: str, kv_dtype, head_dim: int) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    ok = jnp.dtype(kv_dtype) == F8 and head_dim == 128 and _is_hopper()
+    ok = jnp.dtype(kv_dtype) == F8 and head_dim == 128 and is_hopper()
     return "pallas" if ok else "reference"
 
 

@@ -253,11 +253,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         sync = PeerSync(axis_name, tp, entry_sync) if tp > 1 else None
         dev = sync.dev if sync else None
         block = lax.axis_index("cluster_grid")
-        if sync:
-            sync.allocate("done")
         zero_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tma_add else None
-        if sync:
-            sync.allocate("entry")  # entry[j]: signals from the device j places behind
         leader = (wg == 0) & (block == 0)
         enter = sync.enter if sync else (lambda is_leader: None)
         if sync:
@@ -521,9 +517,8 @@ def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, n
 
     if layer is None:  # one weight: a stack of one (a reshape, no copy)
         w, layer = w[None], jnp.zeros((1,), jnp.int32)
-    m_iters = -(-x.shape[0] // config.tile_m)
-    n_iters = w.shape[-2] // (2 * config.tile_n)
-    teams = fp8_gemm_stream_k.num_teams(m_iters, n_iters, num_sms or device_sm_count())
+    teams = fp8_gemm_stream_k.teams_for(x.shape[0], w.shape[-2], config,
+                                        num_sms or device_sm_count())
     out = fp8_gemm_stream_k.kernel(x, w, scale, addend, layer, out_dtype=out_dtype,
                                    config=config, teams=teams, axis_name=axis_name, tp=tp)
     return out if tp > 1 else (out, None)

@@ -175,7 +175,7 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     sms = num_sms or (INTERPRET_NUM_SMS if interpret else _fa.device_sm_count())
     if config.stream_k:
-        teams = _sk.num_teams(-(-m8 // config.tile_m), n // (2 * config.tile_n), sms)
+        teams = _sk.teams_for(m8, n, config, sms)
         out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
                          config=config, teams=teams, interpret=interpret)
     else:

@@ -94,6 +94,12 @@ def num_teams(m_iters: int, n_iters: int, num_sms: int) -> int:
     return max(1, min(n_iters, num_sms // m_iters))
 
 
+def teams_for(m: int, n: int, config, num_sms: int) -> int:
+    """``num_teams`` for an [m, K] x [n, K] product with ``config``'s tiles (m rows, as the
+    kernel takes them: a multiple of 8)."""
+    return num_teams(-(-m // config.tile_m), n // (COMPUTE_WGS * config.tile_n), num_sms)
+
+
 def team_range(team, units: int, teams: int, div=operator.floordiv):
     """[u0, u1): the work units of ``team`` (ints, or traced int32 with div=lax.div)."""
     return div(team * units, teams), div((team + 1) * units, teams)
@@ -214,7 +220,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
         sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
                 if partials and not interpret else None)
-        sync = PeerSync(axis_name, tp, c.entry_sync).allocate() if peers else None
+        sync = PeerSync(axis_name, tp, c.entry_sync) if peers else None
         leader = (wg == 0) & (cta == 0)
         if sync:
             sync.start(leader)
@@ -325,21 +331,17 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                              + out_smem[wg, slot].astype(jnp.float32))
                     out_smem[wg, slot] = y.astype(out_dtype)
                     plgpu.commit_smem()
-                    if peers:  # the own output and every peer's receive slot, one group
-                        red = {"reduction_op": "add"} if add else {}
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
-                                                commit_group=False, **red)
+                    red = {"reduction_op": "add"} if add and not interpret else {}
+                    # The own output, then (tp > 1) every peer's receive slot: one group.
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
+                                            commit_group=not peers, **red)
+                    if peers:
                         for j in range(1, tp):
                             remote = plgpu.remote_ref(recv_ref.at[tp - 1 - j], sync.peer(j))
                             plgpu.copy_smem_to_gmem(
                                 out_smem.at[wg, slot],
                                 remote.at[m_sl, n_sl].at[rows, cols], commit_group=False, **red)
                         plgpu.commit_smem_to_gmem_group()
-                    elif add and not interpret:
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
-                                                reduction_op="add")
-                    else:
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
 
             def store_first_piece(acc, t):
                 # tma_add: the cut tile's later K steps, scaled and stored as bf16 (the

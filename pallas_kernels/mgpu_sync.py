@@ -39,25 +39,15 @@ class PeerSync:
 
     def __init__(self, axis_name: str, tp: int, entry_sync: bool):
         from jax import lax
-
-        self.tp, self.entry_sync = tp, entry_sync
-        self.dev = lax.axis_index(axis_name)
-        self.done = self.entry = None
-
-    def allocate(self, what: str = "done entry"):
-        """Takes the semaphores named in ``what`` ('done', 'entry'; separate steps so that a
-        kernel may take its own semaphores in between, as the fused kernel's 'tma_add'
-        zero count). Returns self."""
         from jax.experimental import pallas as pl
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        for name in what.split():
-            if name == "done":
-                self.done = pl.get_global(plgpu.SemaphoreType.REGULAR)
-            elif name == "entry" and self.entry_sync:
-                self.entry = [None] + [pl.get_global(plgpu.SemaphoreType.REGULAR)
-                                       for _ in range(1, self.tp)]
-        return self
+        self.tp, self.entry_sync = tp, entry_sync
+        self.dev = lax.axis_index(axis_name)
+        self.done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        # entry[j]: signals from the device j places behind (slot 0 unused)
+        self.entry = ([None] + [pl.get_global(plgpu.SemaphoreType.REGULAR)
+                                for _ in range(1, tp)] if entry_sync else None)
 
     def peer(self, j):
         """The device j places ahead (traced int32)."""

@@ -58,7 +58,7 @@ def test_bench_rejects_bad_arguments():
     proc = cli("bench", "--config", "tiny", "--attention", "pallas-qik", "--steps", "1")
     assert proc.returncode == 2 and "head_dim 128" in proc.stderr and "Traceback" not in proc.stderr
     proc = cli("bench", "--config", "tiny", "--attention", "flash", "--steps", "1")
-    assert proc.returncode == 2 and "unknown attention 'flash'" in proc.stderr
+    assert proc.returncode == 2 and "unknown attention impl 'flash'" in proc.stderr
 
 
 def test_init_checkpoint_then_restore_at_another_tp(tmp_path):

@@ -208,13 +208,9 @@ def test_transposed_v_cache_is_the_same_step():
         dataclasses.replace(layout, mode="launch")
 
 
-def test_v_cache_auto_is_plain():
-    """'auto' stores V plain (the V^T cache's write measured slower than the transposes it
-    saves, BUILD_NOTES); only 'transposed' asks for V^T, whatever the attention impl."""
-    from characters_jax.engine.step import resolve_v_cache
-
-    assert not resolve_v_cache("auto") and not resolve_v_cache("plain")
-    assert resolve_v_cache("transposed")
+def test_v_cache_default_is_plain():
+    """The default stores V plain (the V^T cache's write measured slower than the
+    transposes it saves, BUILD_NOTES); only 'transposed' asks for V^T."""
     from characters_jax.engine.step import Engine
     from characters_jax.parallel.sharding import make_mesh
 

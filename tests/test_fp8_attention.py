@@ -531,7 +531,7 @@ def test_v_transposed_stack_lowers_without_slicing():
 # ----------------------------------------------------------------------------------------
 
 def _require_hopper():
-    if jax.default_backend() != "gpu" or not fa._is_hopper():
+    if jax.default_backend() != "gpu" or not fa.is_hopper():
         pytest.skip("needs an NVIDIA Hopper GPU")
 
 

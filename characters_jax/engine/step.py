@@ -30,7 +30,7 @@ from characters_jax.model.dit import DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
-from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention
+from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 
 
@@ -47,8 +47,8 @@ class EngineOptions:
     out before the call (an XLA copy of K and V per block; kept for the ablation);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
     (random sign per element) - a run-to-run perturbation for the numerics harness;
-    v_cache: how the ring FP8 cache stores V: 'auto' (the default: 'plain', measured faster)
-    | 'plain' ([L, S, H, D]: the Pallas kernel transposes each V block itself) |
+    v_cache: how the ring FP8 cache stores V: 'plain' (the default, measured faster:
+    [L, S, H, D], the Pallas kernel transposes each V block itself) |
     'transposed' (the kernel's V^T [L, H, D, S'], written by the cache: no transpose per
     attention call, 3 pipeline stages; other attention impls undo it per call). On an H200
     at tp=1 the V^T write costs ~57 us per block pass (cache upkeep 24.4 vs 10.7 ms per
@@ -60,7 +60,7 @@ class EngineOptions:
     gemm: str = "auto"
     kv_in_place: bool = True
     noise_ulp_seed: int | None = None
-    v_cache: str = "auto"
+    v_cache: str = "plain"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
@@ -70,30 +70,23 @@ class EngineOptions:
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
-V_CACHE_MODES = ("auto", "plain", "transposed")
-
-
-def resolve_v_cache(v_cache: str) -> bool:
-    """Whether the cache stores V transposed: 'transposed' -> True (the layout checks that
-    it is a ring FP8 cache); 'plain' and 'auto' -> False (see EngineOptions.v_cache)."""
-    return v_cache == "transposed"
+V_CACHE_MODES = ("plain", "transposed")
 
 
 def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
     """A Pallas attention impl asked for by name must be able to run: FP8 K/V, head_dim 128,
     an NVIDIA Hopper GPU. Raises ConfigError naming what is missing ('auto' never does),
     or for an unknown name."""
-    from pallas_kernels import fp8_attention
-
-    if attention not in fp8_attention.IMPLS:
-        raise ConfigError(f"unknown attention {attention!r}; expected one of {fp8_attention.IMPLS}")
+    try:
+        resolve_attention(attention, kvc.FP8, layout.head_dim)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if attention not in PALLAS_IMPLS:
         return
-
     missing = [what for what, ok in (
         (f"an FP8 cache (cache.dtype is {layout.dtype!r})", layout.quantized),
         (f"head_dim 128 (model.head_dim is {layout.head_dim})", layout.head_dim == 128),
-        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", fp8_attention._is_hopper()))
+        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", is_hopper()))
         if not ok]
     if missing:
         raise ConfigError(f"attention {attention!r} needs " + ", ".join(missing)
@@ -156,7 +149,7 @@ class Engine:
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
         layout = kvc.CacheLayout.from_config(cfg)
         check_attention(options.attention, layout)
-        self.layout = dataclasses.replace(layout, v_transposed=resolve_v_cache(options.v_cache))
+        self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))

@@ -245,7 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | pallas-exp2 | pallas-qik | cudnn | xla")
     p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas | pallas-stream-k (the fused kernel on the stream-K schedule)")
     p.add_argument("--gemm", choices=("auto", "xla", "stacked"), default="auto", help="block projections: sliced per layer (xla), read in place from the layer stack (stacked), or auto (stacked for FP8 weights on Hopper)")
-    p.add_argument("--v-cache", choices=("auto", "plain", "transposed"), default="auto", help="how the ring FP8 cache stores V: auto = plain (measured faster); plain = [L, S, H, D] (the Pallas kernel transposes each block); transposed = the kernel's V^T (no transpose per call, a costlier cache write)")
+    p.add_argument("--v-cache", choices=("plain", "transposed"), default="plain", help="how the ring FP8 cache stores V: plain (the default, measured faster) = [L, S, H, D] (the Pallas kernel transposes each block); transposed = the kernel's V^T (no transpose per call, a costlier cache write)")
     p.add_argument("--kv-slice", action="store_true", help="ring cache: slice each layer's K/V out of the stack before attention (an XLA copy) instead of passing the stack (ablation)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
     p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")

@@ -43,9 +43,9 @@ VARIANTS: dict[str, Variant] = {
     for v in (
         Variant("ring-bf16", cache_mode="ring", cache_dtype="bf16", description="ring cache, bf16, RoPE at write"),
         Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
-        Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache (V stored as V^T) + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
-        Variant("fp8-attention-exp2", cache_mode="ring", cache_dtype="fp8", attention="pallas-exp2", description="ring FP8 cache (V stored as V^T) + the Pallas kernel with P from ex2 + cvt and the eager rescale"),
-        Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache (V stored as V^T) + the Pallas kernel quantizing Q itself"),
+        Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
+        Variant("fp8-attention-exp2", cache_mode="ring", cache_dtype="fp8", attention="pallas-exp2", description="ring FP8 cache + the Pallas kernel with P from ex2 + cvt and the eager rescale"),
+        Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache + the Pallas kernel quantizing Q itself"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
         Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
@@ -68,7 +68,7 @@ def resolve(variant: Variant, tp: int) -> Resolved:
     """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU."""
     from pallas_kernels import fp8_attention, fp8_gemm_allreduce
 
-    if variant.attention in fp8_attention.PALLAS_IMPLS and not fp8_attention._is_hopper():
+    if variant.attention in fp8_attention.PALLAS_IMPLS and not fp8_attention.is_hopper():
         return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
                         f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
     if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():

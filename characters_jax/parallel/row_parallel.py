@@ -26,15 +26,16 @@ Methods (the ``method`` argument):
   'pallas-stream-k'  the same exchange on the stream-K schedule of the stacked GEMM
               (``fp8_gemm_allreduce.STREAM_K_CONFIG``: the K steps dealt out evenly
               over the SMs, cut tiles merged on the own GPU before they travel).
-              At tp = 1 there is nothing to reduce: stacked weights then take the
-              'psum' path, whose stacked GEMMs use the stream-K schedule (the fused
-              kernel's data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
+  'auto'      the best measured method for the backend (see ``resolve_method``).
+
+At tp = 1 there is nothing to reduce: with stacked weights the fused methods take the
+'psum' path, whose stacked GEMMs use the stream-K schedule (the fused kernel's
+data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
 
 Stacked FP8 weights on the 'psum' path: the products are chained through the stacked
 GEMM's epilogue addend (``stacked_partial``) and, where the Pallas kernel runs, x is
 quantized and then padded to a multiple of 8 rows (the kernel's TMA tiling; 757 -> 760),
 not 16, so the pad fuses into the quantization.
-  'auto'      the best measured method for the backend (see ``resolve_method``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from characters_jax.parallel.fp8_linear import (
     stacked_linear)
 
 METHODS = ("psum", "ppermute", "pallas", "pallas-stream-k", "auto")
-# The fused kernel's methods and the Config each runs (None: its DEFAULT_CONFIG).
+# The methods that run the fused GEMM + all-reduce kernel.
 FUSED_METHODS = ("pallas", "pallas-stream-k")
 # 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
 AUTO_FUSED_MAX_PAIRS = 2
