@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+MODEL_WIDTH = 9216  # characters-57b d_model
+ATTENTION_WIDTH = 72 * 128  # heads x head_dim
+MLP_WIDTH = 32256
+
+
+def per_gpu_shapes(tp: int) -> dict[str, tuple[int, int, bool]]:
+    """name: (K, N, row_parallel) of one GPU's share of each characters-57b projection at
+    tensor-parallel size tp (o and down split K, qkv and up split N)."""
+    return {
+        "o": (ATTENTION_WIDTH // tp, MODEL_WIDTH, True),
+        "down": (MLP_WIDTH // tp, MODEL_WIDTH, True),
+        "qkv": (MODEL_WIDTH, 3 * ATTENTION_WIDTH // tp, False),
+        "up": (MODEL_WIDTH, MLP_WIDTH // tp, False),
+    }
+
 
 def rel_err(out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 on the host; NaN if `out` has a non-finite value."""

@@ -73,7 +73,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cuda_event_times_us, rel_err  # noqa: E402
+from _common import MODEL_WIDTH, cuda_event_times_us, per_gpu_shapes, rel_err  # noqa: E402
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLS stays off on the lent machines
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -81,19 +81,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 T0 = time.time()  # the --budget-s clock starts at import
 M = 757
 M_PAD8 = 760  # the Pallas kernel's row count (TMA tiling: a multiple of 8)
-D = 9216
+D = MODEL_WIDTH
 D_BLOCK = D  # N of the block variants (the model width)
 TP = 2  # GPUs of the row-parallel variants (--tp)
-
-
-def per_gpu_shapes(tp: int) -> dict[str, tuple[int, int, bool]]:
-    """name: (K, N, row_parallel) of one GPU's share of each characters-57b projection."""
-    return {
-        "o": (9216 // tp, D, True),  # attention-out, K = 72 * 128 / tp
-        "down": (32256 // tp, D, True),  # MLP-down, K = 32256 / tp
-        "qkv": (D, 27648 // tp, False),  # column-parallel: 3 * 9216 / tp
-        "up": (D, 32256 // tp, False),  # column-parallel: 32256 / tp
-    }
 
 
 SHAPES = per_gpu_shapes(TP)

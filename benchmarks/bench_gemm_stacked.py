@@ -1,6 +1,6 @@
 """FP8 GEMMs on stacked [L, N, K] weights inside a scan: XLA (slice copy) vs the stacked kernel.
 
-At M = 757 and the characters-57b per-GPU shapes of tp = 2 (L = 60 layers), each variant
+At M = 757 and the characters-57b per-GPU shapes of tp = 2 (``--tp``: another split; L = 60 layers), each variant
 runs inside one jitted ``lax.scan`` over the 60 layers (the traced scan index picks the
 layer, as in the model's step; x goes through an optimization barrier with the index so
 nothing is hoisted; each output goes through a barrier too, so it is materialized whole):
@@ -57,20 +57,24 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cuda_event_times_us, rel_err  # noqa: E402
+from _common import cuda_event_times_us, per_gpu_shapes, rel_err  # noqa: E402
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 T0 = time.time()
 M = 757
 L = 60
-# name: (N, K) per GPU at tp = 2
-SHAPES = {
-    "qkv": (13824, 9216),
-    "out": (9216, 4608),
-    "up": (16128, 9216),
-    "down": (9216, 16128),
-}
+
+
+def stacked_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """name: (N, K) of one GPU's share of each characters-57b projection (weights are
+    stored (N, K)); 'out' is the attention-out projection."""
+    shapes = per_gpu_shapes(tp)
+    return {name: (shapes[src][1], shapes[src][0])
+            for name, src in (("qkv", "qkv"), ("out", "o"), ("up", "up"), ("down", "down"))}
+
+
+SHAPES = stacked_shapes(2)  # (N, K) per GPU; --tp picks another split
 PASSES = 4  # denoising passes per step (default sampler: 5 sigmas)
 VARIANTS = ("xla_stacked", "kernel", "kernel_m760", "kernel_m64", "xla_single")
 _CONFIG_SPEC = re.compile(r"m(\d+)n(\d+)s(\d+)(?:w(\d+))?(?:f(\d+))?(k)?(a)?$")
@@ -115,7 +119,8 @@ def run(args):
     print(f"jax {jax.__version__} devices {jax.devices()} seed {seed} layers {layers} "
           f"kernel impl {kimpl}")
     res = {"meta": {"m": M, "layers": layers, "seed": seed, "jax": jax.__version__,
-                    "device": str(jax.devices()[0]), "smoke": args.smoke}}
+                    "device": str(jax.devices()[0]), "smoke": args.smoke, "tp": args.tp,
+                    "shapes_nk": dict(SHAPES)}}
     deadline = T0 + args.budget_s
 
     def save():
@@ -381,7 +386,10 @@ def main():
                     help="extra kernel tilings on 760 rows, e.g. m128n64s4 m64n128s4w8")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: N = K = 256, 3 layers, the kernel under the interpreter")
+    ap.add_argument("--tp", type=int, default=2,
+                    help="tensor-parallel size whose per-GPU shapes are timed (default 2)")
     args = ap.parse_args()
+    SHAPES.update(stacked_shapes(args.tp))
     if args.smoke:
         for s in SHAPES:
             SHAPES[s] = (256, 256)

@@ -38,6 +38,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"  # activation dtype: float32 | bfloat16
     weight_dtype: str = "float32"  # float32 | bfloat16 | fp8 (e4m3 values (N, K) + scale)
+    # FP8 weights: activations quantized with one scale per tensor, or one per row (token)
+    activation_scale: str = "tensor"  # tensor | row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +175,7 @@ _SECTIONS = {
 _CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
     ("model", "weight_dtype"): ("float32", "bfloat16", "fp8"),
+    ("model", "activation_scale"): ("tensor", "row"),
     ("cache", "mode"): ("ring", "launch"),
     ("cache", "dtype"): ("fp8", "bf16", "float32"),
     ("decoder", "dtype"): ("float32", "bfloat16"),

@@ -446,7 +446,8 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
 
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
-        FP8 activations whose scale is given as ``x_scale`` ([] float32).
+        FP8 activations whose scale is given as ``x_scale``: [] float32, or [M] float32
+        per row (the stream-K schedule only: ``Config(stream_k=True)``).
       w_fp8: [N, K] float8_e4m3fn weight shard, or a stack [L, N, K] of them with
         ``layer`` ([] int32, may be traced; clamped like ``lax.dynamic_slice``): the kernel
         then reads block ``layer`` of the stack in place (no [N, K] copy).
@@ -469,12 +470,22 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     config = config or DEFAULT_CONFIG
     if x_scale is None:
         x, x_scale = quantize_activation(x)
+    rows = None
+    if jnp.ndim(x_scale) == 1:
+        if x_scale.shape != (x.shape[0],):
+            raise ValueError(f"per-row x_scale must be [M] = [{x.shape[0]}], got {x_scale.shape}")
+        if not config.stream_k:
+            raise NotImplementedError("per-row x scales: the stream-K schedule only")
+        rows, x_scale = x_scale.astype(jnp.float32), jnp.float32(1)
+    elif jnp.ndim(x_scale) != 0:
+        raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
     scale = (x_scale * w_scale).astype(jnp.float32)
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
-        return reference(x, _select_layer(w_fp8, layer), scale, addend, axis_name=axis_name,
-                         out_dtype=out_dtype)
+        return reference(x, _select_layer(w_fp8, layer),
+                         scale if rows is None else rows[:, None] * scale, addend,
+                         axis_name=axis_name, out_dtype=out_dtype)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
     scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
@@ -490,7 +501,9 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         return out[:m]
     if config.stream_k:
         x, addend = _pad_rows(x, addend, 8, out_dtype)  # the stream-K kernel's TMA bounds
-        own, received = _stream_k(x, w_fp8, scale1, addend, **kw)
+        if rows is not None:
+            rows = jnp.pad(rows, (0, x.shape[0] - m))
+        own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, **kw)
     else:
         x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
         own, received = _kernel(x, w_fp8, scale1, addend, **kw)
@@ -510,9 +523,11 @@ def _pad_rows(x, addend, multiple: int, out_dtype):
     return x, addend
 
 
-def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms):
+def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms,
+              row_scale=None):
     """The stream-K kernel with the peer exchange: (own [Mx, N], received [tp-1, Mx, N] or
-    None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer."""
+    None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer;
+    row_scale None or [Mx] float32."""
     from pallas_kernels import fp8_gemm_stream_k
 
     if layer is None:  # one weight: a stack of one (a reshape, no copy)
@@ -520,5 +535,6 @@ def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, n
     teams = fp8_gemm_stream_k.teams_for(x.shape[0], w.shape[-2], config,
                                         num_sms or device_sm_count())
     out = fp8_gemm_stream_k.kernel(x, w, scale, addend, layer, out_dtype=out_dtype,
-                                   config=config, teams=teams, axis_name=axis_name, tp=tp)
+                                   config=config, teams=teams, axis_name=axis_name, tp=tp,
+                                   row_scale=row_scale)
     return out if tp > 1 else (out, None)

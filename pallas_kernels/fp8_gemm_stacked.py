@@ -31,8 +31,12 @@ it by TMA into the sub-tile's output buffer in shared memory.  Two products that
 float32 outputs and an XLA add.  The kernel takes the addend in out_dtype (it is cast);
 the reference adds it in float32.
 
+Row scales: ``row_scale`` [M] float32 (optional; x quantized per row) multiplies row m of
+the product with ``scale`` in the epilogue, before the addend (stream-K schedule only).
+
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
-scale [] float32 (x scale * w scale), addend None or [M, N].  K % tile_k == 0 and
+scale [] float32 (x scale * w scale, or w scale with row_scale), row_scale None or [M]
+float32, addend None or [M, N].  K % tile_k == 0 and
 N % (2 * tile_n) == 0 (128 and 256 by default: every characters-57b projection fits).
 """
 
@@ -115,8 +119,10 @@ def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None
     return NARROW_TILES_CONFIG if gain > NARROW_TILE_COST else TILES_CONFIG
 
 
-def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None):
-    """Plain jnp: (x @ w_stacked[layer].T) * scale (+ addend) in float32, then out_dtype.
+def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None,
+              row_scale=None):
+    """Plain jnp: (x @ w_stacked[layer].T) * scale (* row_scale[:, None]) (+ addend) in
+    float32, then out_dtype.
 
     The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
     """
@@ -124,6 +130,8 @@ def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=
     y = jnp.matmul(x_fp8.astype(jnp.float32), w.astype(jnp.float32).T,
                    precision=lax.Precision.HIGHEST)
     y = y * jnp.asarray(scale, jnp.float32)
+    if row_scale is not None:
+        y = y * row_scale.astype(jnp.float32)[:, None]
     if addend is not None:
         y = y + addend.astype(jnp.float32)
     return y.astype(out_dtype)
@@ -141,7 +149,7 @@ def uses_kernel(x_fp8, w_stacked, impl="auto", config: Config | None = None) -> 
             and is_supported())
 
 
-def _check(x_fp8, w_stacked, layer, scale, addend=None):
+def _check(x_fp8, w_stacked, layer, scale, addend=None, row_scale=None):
     if x_fp8.ndim != 2 or w_stacked.ndim != 3:
         raise ValueError(f"want x [M, K] and w_stacked [L, N, K], got {x_fp8.shape} and "
                          f"{w_stacked.shape}")
@@ -149,13 +157,15 @@ def _check(x_fp8, w_stacked, layer, scale, addend=None):
         raise ValueError(f"K mismatch: x {x_fp8.shape} vs w_stacked {w_stacked.shape}")
     if jnp.ndim(layer) != 0 or jnp.ndim(scale) != 0:
         raise ValueError("layer and scale must be scalars")
+    if row_scale is not None and row_scale.shape != (x_fp8.shape[0],):
+        raise ValueError(f"row_scale must be [M] = [{x_fp8.shape[0]}], got {row_scale.shape}")
     if addend is not None and addend.shape != (x_fp8.shape[0], w_stacked.shape[1]):
         raise ValueError(f"addend must be [M, N] = {(x_fp8.shape[0], w_stacked.shape[1])}, got "
                          f"{addend.shape}")
 
 
 def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool,
-            addend=None, num_sms=None):
+            addend=None, num_sms=None, row_scale=None):
     if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
         raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
                          f"{w_stacked.dtype}")
@@ -166,7 +176,11 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     _, n, _ = w_stacked.shape
     if not fits(n, k, config):
         raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
+    if row_scale is not None and not config.stream_k:
+        raise NotImplementedError("row scales: the stream-K schedule only")
     m8 = -(-m // 8) * 8
+    if row_scale is not None:
+        row_scale = jnp.pad(row_scale.astype(jnp.float32), (0, m8 - m))
     x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
     if addend is not None:
         addend = addend.astype(out_dtype)
@@ -177,7 +191,7 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     if config.stream_k:
         teams = _sk.teams_for(m8, n, config, sms)
         out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
-                         config=config, teams=teams, interpret=interpret)
+                         config=config, teams=teams, interpret=interpret, row_scale=row_scale)
     else:
         out, _ = _fa._kernel(
             x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
@@ -187,27 +201,32 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
 
 def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16,
                        impl="auto", config: Config | None = None, addend=None,
-                       num_sms: int | None = None) -> jax.Array:
+                       num_sms: int | None = None, row_scale=None) -> jax.Array:
     """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
     scale: [] float32 (x_scale * w_scale, applied in the epilogue);
+    row_scale: None or [M] float32, x's per-row scales (then ``scale`` is w's), applied
+    with it (stream-K configs only);
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
     float32 before the rounding to out_dtype.
-    Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (+ addend).
+    Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (* row_scale[:, None])
+    (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
     config: the kernel's tiling (default ``pick_config(N, K, M)``); ``Config(stream_k=True)``
     runs the stream-K schedule (``fp8_gemm_stream_k``).
     num_sms: the kernel's persistent grid (default: the device's SMs; 2 under the
     interpreter)."""
-    _check(x_fp8, w_stacked, layer, scale, addend)
+    _check(x_fp8, w_stacked, layer, scale, addend, row_scale)
     config = config or pick_config(*w_stacked.shape[1:], m=x_fp8.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
         impl = "pallas" if uses_kernel(x_fp8, w_stacked, "auto", config) else "reference"
     if impl == "reference":
-        return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend)
+        return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend,
+                         row_scale=row_scale)
     return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
-                   interpret=impl == "interpret", addend=addend, num_sms=num_sms)
+                   interpret=impl == "interpret", addend=addend, num_sms=num_sms,
+                   row_scale=row_scale)

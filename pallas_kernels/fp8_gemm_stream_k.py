@@ -50,6 +50,9 @@ Shapes and dtypes (one device):
   w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
   scale  [1]        float32 (x scale * w scale, read once as a scalar: no shared memory,
                     which leaves room for 4 stages of 128 x 256 tiles)
+  row_scale None or [Mx] float32: per-row scales of x, applied with ``scale`` in the
+                    epilogue (each block's 128 rows, 512 bytes, copied once to shared
+                    memory: a block only ever works on one M tile)
   addend None or [Mx, N] out_dtype
   out    [Mx, N]    out_dtype
 """
@@ -134,7 +137,8 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
 
 
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
-           interpret: bool = False, profile_dir: str = "", axis_name: str = "tp", tp: int = 1):
+           interpret: bool = False, profile_dir: str = "", axis_name: str = "tp", tp: int = 1,
+           row_scale=None):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
     [Mx, N] (tp = 1), or (own [Mx, N], received [tp - 1, Mx, N]) on tp > 1 devices.
 
@@ -189,6 +193,9 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     stages = c.stages
     num_layers = w.shape[0]
     has_addend = addend is not None
+    has_rows = row_scale is not None
+    if has_rows and row_scale.shape != (mx,):
+        raise ValueError(f"row_scale must be [{mx}], got {row_scale.shape}")
     in_tf, out_tf = smem_transforms(c, out_dtype)
     f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]
@@ -197,10 +204,12 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
 
     def body(x_ref, w_ref, scale_ref, layer_ref, *refs):
         refs = list(refs)
+        rows_ref = refs.pop(0) if has_rows else None
         addend_ref = refs.pop(0) if has_addend else None
         out_ref = refs.pop(0)
         recv_ref = refs.pop(0) if peers else None
-        part_ref, stage_u, out_u, bars = refs
+        part_ref, stage_u, out_u, bars, *row_bufs = refs
+        rows_smem, rows_bar = row_bufs if has_rows else (None, None)
         w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
         if f32_parts:
             (x_smem, w_smem), pbuf = stage_u
@@ -238,6 +247,9 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 plgpu.copy_gmem_to_smem(w_l.at[pl.ds(ni * cta_n, cta_n), ks],
                                         w_smem.at[slot], full.at[slot])
 
+            if has_rows:  # this block's rows' scales, once
+                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(mi * c.tile_m, c.tile_m)],
+                                        rows_smem, rows_bar)
             for i in range(stages):
                 pl.when(i < n_steps)(lambda i=i: issue(i, i))
 
@@ -258,6 +270,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             plgpu.set_max_registers(232, action="increase")
 
             scale = scale_ref[0]
+            if has_rows:
+                plgpu.barrier_wait(rows_bar)
 
             # A block whose first segment is a partial signals it after the next
             # segment's first K step (its TMA stores have long completed by then).
@@ -319,6 +333,9 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     if merged:
                         y = y + pbuf[wg, rows, cols]
                     y = y * scale
+                    if has_rows:
+                        rs = rows_smem[pl.ds(em * c.epi_m, c.epi_m)]
+                        y = y * lax.broadcast_in_dim(rs, y.shape, (0,))
                     if has_addend and with_addend:
                         plgpu.copy_gmem_to_smem(addend_ref.at[m_sl, n_sl].at[rows, cols],
                                                 out_smem.at[wg, slot], misc.at[wg])
@@ -418,12 +435,15 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     if f32_parts:  # the float32 merge: the partial's load per wg, both mainloops done
         bars += (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
 
+    # The row scales of the block's M tile and their arrival.
+    row_bufs = ((plgpu.SMEM((c.tile_m,), jnp.float32), plgpu.Barrier()) if has_rows else ())
+
     def entry(*refs):
-        n_in = 5 if has_addend else 4
+        n_in = 4 + has_addend + has_rows
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *scoped: body(*ins, *outs, *scoped),
                       stage_spec, out_spec,
-                      bars,
+                      bars, *row_bufs,
                       collective_axes="wg")
 
     part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if f32_parts
@@ -446,5 +466,5 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             profile_space=2 * (-(-n_iters // teams) + 1) + 4 if profile_dir else 0,
             profile_dir=profile_dir),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(x, w, scale, layer, *((addend,) if has_addend else ()))
+    )(x, w, scale, layer, *((row_scale,) if has_rows else ()), *((addend,) if has_addend else ()))
     return (outs[0], outs[1]) if peers else outs[0]

@@ -118,15 +118,18 @@ def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config)
 _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
 
 
-def _lower_scan(impl, m=757, n=512, k=256, layers=4, config=None):
-    def run(x8, w8, scale):
+def _lower_scan(impl, m=757, n=512, k=256, layers=4, config=None, rows=False):
+    def run(x8, w8, scale, *row_scale):
         def body(carry, layer):
-            y = st.stacked_fp8_matmul(x8, w8, layer, scale, impl=impl, config=config)
+            y = st.stacked_fp8_matmul(x8, w8, layer, scale, impl=impl, config=config,
+                                      row_scale=row_scale[0] if rows else None)
             return carry + y[0, 0].astype(jnp.float32), None
         return lax.scan(body, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
 
     args = (jax.ShapeDtypeStruct((m, k), FP8), jax.ShapeDtypeStruct((layers, n, k), FP8),
             jax.ShapeDtypeStruct((), jnp.float32))
+    if rows:
+        args += (jax.ShapeDtypeStruct((m,), jnp.float32),)
     return jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text(
         debug_info=False)
 
@@ -254,14 +257,20 @@ def test_addend_shape_is_checked_and_lowers_for_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config,n,k,num_sms", [
+@pytest.mark.parametrize("config,n,k,num_sms,with_rows", [
     # data-parallel: 16 x 3 output tiles on 8 persistent blocks (each block reuses its tiles)
-    (st.TILES_CONFIG, 2048, 1024, 8),
+    (st.TILES_CONFIG, 2048, 1024, 8, False),
     # stream-K (the default): 30 slabs of 8 K steps over 22 teams of 6 blocks, so slabs are
     # cut and the merge runs before the addend
-    (None, 7680, 1024, None),
-    (st.STREAM_K_F32_CONFIG, 7680, 1024, None)], ids=["tiles", "stream_k", "stream_k_f32"])
-def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms):
+    (None, 7680, 1024, None, False),
+    (st.STREAM_K_F32_CONFIG, 7680, 1024, None, False),
+    # per-row scales of x (both stream-K merges; the narrow tiling at tp=4's MLP-up width)
+    (None, 7680, 1024, None, True),
+    (st.STREAM_K_F32_CONFIG, 7680, 1024, None, True),
+    (st.NARROW_STREAM_K_CONFIG, 8064, 1024, None, True)],
+    ids=["tiles", "stream_k", "stream_k_f32", "stream_k_rows", "stream_k_f32_rows",
+         "narrow_rows"])
+def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms, with_rows):
     """The addend epilogue on the hardware (one GPU, no peers: isolated from the fused
     kernel's multi-GPU protocol). M = 757, 3 layers with distinct weights and addends,
     NaN-poisoned memory."""
@@ -274,20 +283,25 @@ def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms):
     x8, w8, scale = _operands(seed, m, n, k, layers)
     add = (jax.random.normal(jax.random.key(seed + 1), (layers, m, n), jnp.float32) * 30
            ).astype(jnp.bfloat16)
+    rows = (jax.random.uniform(jax.random.key(seed + 2), (m,), minval=0.25, maxval=4.0)
+            if with_rows else None)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
 
     @jax.jit
-    def run(x8, w8, scale, add):
+    def run(x8, w8, scale, add, rows):
         def body(carry, layer):
             a = lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
             return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="pallas", addend=a,
-                                                config=config, num_sms=num_sms)
+                                                config=config, num_sms=num_sms, row_scale=rows)
         return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
 
-    out = run(x8, w8, scale, add)
+    out = run(x8, w8, scale, add, rows)
     assert np.isfinite(np.asarray(out, np.float32)).all(), seed
     for layer in range(layers):
-        ref = _exact(x8, w8, layer, scale) + np.asarray(add[layer], np.float64)
+        product = _exact(x8, w8, layer, scale)
+        if with_rows:
+            product = product * np.asarray(rows, np.float64)[:, None]
+        ref = product + np.asarray(add[layer], np.float64)
         assert _rel_err(out[layer], ref) < 4e-3, (seed, layer)
 
 
@@ -348,18 +362,23 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
             config=config, teams=slabs + 1), x, w)
 
 
-@pytest.mark.parametrize("m,n,k,num_sms,config,with_addend", [
+@pytest.mark.parametrize("m,n,k,num_sms,config,with_addend,with_rows", [
     # 2 M x 3 N tiles (the second M tile partly past M), 6 K steps, 2 teams of 2 blocks
-    (136, 768, 768, 4, st.Config(stream_k=True), False),
-    (136, 768, 768, 4, st.Config(stream_k=True, stages=4), True),  # the addend, the merge
+    (136, 768, 768, 4, st.Config(stream_k=True), False, False),
+    (136, 768, 768, 4, st.Config(stream_k=True, stages=4), True, False),  # the addend, the merge
     # 1 M tile x 4 slabs of 4 K steps on 3 teams of one block: cut twice
-    (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False),
-    (40, 256, 256, 2, st.Config(stream_k=True), False),  # one tile: one block, no cut
+    (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False, False),
+    (40, 256, 256, 2, st.Config(stream_k=True), False, False),  # one tile: one block, no cut
     # the cut tiles' pieces summed by TMA reduce-add (the interpreter reads and adds)
-    (136, 768, 768, 4, st.STREAM_K_CONFIG, True),
-    (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4, reduce="tma_add"), False),
+    (136, 768, 768, 4, st.STREAM_K_CONFIG, True, False),
+    (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4, reduce="tma_add"), False,
+     False),
+    # per-row scales of x: both pieces of a cut tile scaled by them, then the addend
+    (136, 768, 768, 4, st.STREAM_K_CONFIG, True, True),
+    (136, 768, 768, 4, st.STREAM_K_F32_CONFIG, False, True),
 ])
-def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend):
+def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend,
+                                                    with_rows):
     """The stream-K kernel under the Mosaic GPU interpreter, inside a scan over 2 layers:
     the one pipeline across tile boundaries, the float32 partials written by one block and
     merged by the next team's block in the idle pipeline buffers (or, with 'tma_add', the
@@ -370,6 +389,8 @@ def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, wit
     x8, w8, scale = _operands(seed, m, n, k, layers)
     add = ((jax.random.normal(jax.random.key(seed + 1), (layers, m, n)) * 30).astype(jnp.bfloat16)
            if with_addend else None)
+    rows = (jax.random.uniform(jax.random.key(seed + 2), (m,), minval=0.25, maxval=4.0)
+            if with_rows else None)
     m_iters, slabs = -(-(-(-m // 8) * 8) // config.tile_m), n // (2 * config.tile_n)
     teams = sk.num_teams(m_iters, slabs, num_sms)
     assert sk.has_partials(slabs, k // config.tile_k, teams) == (teams > 1)
@@ -379,13 +400,18 @@ def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, wit
         def body(carry, layer):
             a = None if add is None else lax.dynamic_index_in_dim(add, layer, 0, keepdims=False)
             return carry, st.stacked_fp8_matmul(x8, w8, layer, scale, impl="interpret",
-                                                config=config, addend=a, num_sms=num_sms)
+                                                config=config, addend=a, num_sms=num_sms,
+                                                row_scale=rows)
         return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
 
     out = run(x8, w8, scale, add)
     assert out.shape == (layers, m, n)
     for layer in range(layers):
         ref = _exact(x8, w8, layer, scale)
+        if with_rows:
+            unscaled = ref
+            ref = ref * np.asarray(rows, np.float64)[:, None]
+            assert _rel_err(out[layer], unscaled) > 0.1  # the rows' scales were applied
         if with_addend:
             ref = ref + np.asarray(add[layer], np.float64)
         assert np.isfinite(np.asarray(out[layer], np.float32)).all()
@@ -401,6 +427,14 @@ def test_stream_k_lowers_at_characters_57b_shapes():
         for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
             text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
+    # Per-row scales (512 bytes of shared memory more) at the tp = 4 shapes, the narrow
+    # tiling at MLP-up's N = 8064 among them: they still fit, and reach the kernel.
+    for n, k in ((6912, 9216), (9216, 2304), (8064, 9216), (9216, 8064)):
+        text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, rows=True)
+        call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+        assert len(call) == 1 and "tensor<760xf32>" in call[0].rsplit(":", 1)[-1].split("->")[0]
+    with pytest.raises(NotImplementedError, match="stream-K"):
+        _lower_scan("pallas", config=st.TILES_CONFIG, rows=True)
     with pytest.raises(Exception, match="shared memory"):
         _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=5))
     # The data-parallel kernel's scale is a scalar too: 4 stages of 128 x 256 fit there.

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from characters_jax.parallel.fp8_linear import (
-    FP8_DTYPE, Fp8Weight, linear, quantize_activation, quantize_weight)
+    FP8_DTYPE, Fp8Activation, Fp8Weight, linear, quantize, quantize_activation, quantize_weight,
+    stacked_linear)
 
 
 def _rel_err(out, ref):
@@ -59,6 +60,57 @@ def test_quantize_activation_scale_and_saturation():
     assert _rel_err(xq.astype(jnp.float32) * s, x) < 5e-2
     xz, sz = quantize_activation(jnp.zeros((4, 8)))
     assert np.isfinite(float(sz)) and not np.asarray(xz, np.float32).any()
+
+
+def _wide_rows(seed, m=40, k=96, n=80):
+    """x [m, k] whose rows' magnitudes span 10^-6 .. 1 (tokens of very different size), w."""
+    x, w = _inputs(seed, m=m, k=k, n=n)
+    mags = jnp.logspace(-6, 0, m, dtype=jnp.float32)[:, None]
+    return (x.astype(jnp.float32) * mags).astype(jnp.bfloat16), w
+
+
+def test_quantize_activation_per_row():
+    seed = np.random.SeedSequence().entropy % 2**31
+    x, _ = _wide_rows(seed)
+    xq, s = jax.jit(lambda x: quantize_activation(x, per_row=True))(x)
+    assert xq.dtype == FP8_DTYPE and s.shape == (x.shape[0],) and s.dtype == jnp.float32
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(np.asarray(s), np.abs(x64).max(1) / 448.0, rtol=1e-6)
+    # Every row's largest value maps to the top of e4m3.
+    np.testing.assert_allclose(np.abs(np.asarray(xq, np.float32)).max(1), 448.0)
+    deq = np.asarray(Fp8Activation(xq, s).dequantize(), np.float64)
+    for r in range(x.shape[0]):
+        assert _rel_err(deq[r], x64[r]) < 5e-2, (seed, r)
+    with pytest.raises(ValueError, match="activation scale"):
+        quantize(x, "column")
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_linear_with_row_scales_keeps_small_rows(stacked):
+    """Per-row scales keep the small rows that one scale per tensor flushes below e4m3's
+    smallest subnormal (rows 10^-6 of the largest): every row of the product is accurate
+    with 'row'; with 'tensor' the smallest rows are lost (so the test can tell them apart).
+    Stacked weights: the stacked GEMM's reference path with the rows' scales."""
+    seed = np.random.SeedSequence().entropy % 2**31
+    x, w = _wide_rows(seed)
+    wq = quantize_weight(w)
+    if stacked:
+        wq = Fp8Weight(values=wq.values[None].repeat(2, 0), scale=wq.scale[None].repeat(2, 0),
+                       layer=jnp.int32(1))
+        f = lambda x, w, a: stacked_linear(x, w, out_dtype=jnp.float32, act_scale=a)  # noqa: E731
+    else:
+        f = lambda x, w, a: linear(x, w, out_dtype=jnp.float32, act_scale=a)  # noqa: E731
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    by_row = np.asarray(jax.jit(f, static_argnums=2)(x, wq, "row"), np.float64)
+    by_tensor = np.asarray(jax.jit(f, static_argnums=2)(x, wq, "tensor"), np.float64)
+    row_errs = [_rel_err(by_row[r], ref[r]) for r in range(len(ref))]
+    assert max(row_errs) < 6e-2, (seed, row_errs)
+    assert _rel_err(by_tensor[0], ref[0]) > 0.5, seed  # the 10^-6 row
+    # An Fp8Activation quantized per row goes through as it is.
+    xq = quantize(x, "row")
+    assert xq.per_row
+    via = f(xq, wq, "tensor")
+    np.testing.assert_allclose(np.asarray(via), by_row, rtol=1e-6, atol=0)
 
 
 def test_weight_pytree_roundtrip():

@@ -42,7 +42,7 @@ def _problem(seed, tp, m=37, ks=(48,), n=24):
     return xs, ws, ref
 
 
-def _run(mesh, xs, ws, method, fp8):
+def _run(mesh, xs, ws, method, fp8, act_scale="tensor"):
     weights = [quantize_weight(w) if fp8 else w for w in ws]
     x_spec = P(None, "tp")
     w_spec = jax.tree.map(lambda _: P(None, "tp"), weights[0])
@@ -52,8 +52,9 @@ def _run(mesh, xs, ws, method, fp8):
     def body(xs, ws):
         pairs = list(zip(xs, ws))
         if len(pairs) == 1:
-            return row_parallel.row_parallel_matmul_reduce(pairs[0][0], pairs[0][1], method=method)
-        return row_parallel.row_parallel_matmul_reduce(pairs, method=method)
+            return row_parallel.row_parallel_matmul_reduce(pairs[0][0], pairs[0][1], method=method,
+                                                           act_scale=act_scale)
+        return row_parallel.row_parallel_matmul_reduce(pairs, method=method, act_scale=act_scale)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([x_spec] * len(xs), [w_spec] * len(ws)),
                               out_specs=P(), check_vma=False))
@@ -79,6 +80,26 @@ def test_row_parallel_fp8_two_pairs_one_reduction(tp, method):
     out = _run(mesh, xs, ws, method, fp8=True)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel_err(out, ref) < 6e-2
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas-stream-k"])
+def test_row_scales_keep_small_rows(tp, method):
+    """act_scale='row': the two-pair reduction with rows whose magnitudes span 10^-6 .. 1 is
+    accurate row by row ('pallas-stream-k' runs its XLA fallback on CPU); one scale per
+    tensor loses the smallest rows (the check can fail). ('pallas' quantizes its fused
+    pair per tensor: the data-parallel kernel takes one scale.)"""
+    mesh = _mesh(tp)
+    seed = np.random.SeedSequence().entropy % 2**31
+    xs, ws, _ = _problem(seed, tp, m=29, ks=(16, 40), n=32)
+    mags = np.logspace(-6, 0, 29)[:, None]
+    xs = [(x.astype(jnp.float32) * mags).astype(jnp.bfloat16) for x in xs]
+    ref = sum(np.asarray(x, np.float64) @ np.asarray(w, np.float64).T for x, w in zip(xs, ws))
+    out = np.asarray(_run(mesh, xs, ws, method, fp8=True, act_scale="row"), np.float64)
+    errs = [_rel_err(out[r], ref[r]) for r in range(len(ref))]
+    assert max(errs) < 8e-2, (seed, errs)
+    by_tensor = np.asarray(_run(mesh, xs, ws, method, fp8=True), np.float64)
+    assert _rel_err(by_tensor[0], ref[0]) > 0.5, seed
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -184,7 +205,8 @@ def test_stacked_weights_give_the_sliced_result(tp, method):
 _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
 
 
-def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=512, layers=4):
+def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=512, layers=4,
+                          act_scale="tensor"):
     """StableHLO (CUDA) of the two-pair reduction in a scan over stacked weights, with the
     Pallas kernels switched on as on a Hopper GPU."""
     from characters_jax.parallel.fp8_linear import Fp8Weight
@@ -206,7 +228,8 @@ def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=51
     def body(xs, stacks):
         def step(c, l):
             ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l) for s in stacks]
-            y = row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method)
+            y = row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method,
+                                                        act_scale=act_scale)
             return c + y[0, 0].astype(jnp.float32), None
         return lax.scan(step, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
 
@@ -292,4 +315,18 @@ def test_pallas_stream_k_method_runs_the_stream_k_exchange(monkeypatch, tp):
     assert fp8_gemm_stream_k.ALLREDUCE_KERNEL_NAME in text
     assert f"tensor<{tp - 1}x760x512xbf16>" in calls[1].rsplit("->", 1)[-1]
     assert "all_reduce" not in text
+    assert _no_weight_slices(text)
+
+
+@pytest.mark.parametrize("method,tp", [("psum", 1), ("psum", 2), ("pallas", 2), ("pallas-stream-k", 2)])
+def test_row_scales_reach_the_stream_k_kernels(monkeypatch, method, tp):
+    """act_scale='row' on Hopper: every stream-K GEMM takes the rows' scales (a [760] float32
+    operand); the data-parallel fused kernel ('pallas' at tp >= 2) takes none, its pair
+    quantized per tensor."""
+    text = _lower_block_for_cuda(monkeypatch, method, tp=tp, act_scale="row")
+    calls = _calls(text)
+    assert len(calls) == 2
+    ins = [ln.rsplit(":", 1)[-1].split("->")[0] for ln in calls]
+    with_rows = ["tensor<760xf32>" in i for i in ins]
+    assert with_rows == ([True, False] if method == "pallas" else [True, True]), ins
     assert _no_weight_slices(text)

@@ -218,7 +218,8 @@ class Engine:
 
         def reduce(pairs):
             with jax.named_scope("out_down_reduce"):
-                return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce)
+                return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
+                                                  act_scale=self.cfg.model.activation_scale)
 
         def block_fn(block, layer, x, shared_mod, cache):
             def attend(q, k, v):

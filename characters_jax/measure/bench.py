@@ -70,7 +70,7 @@ def run_bench(args) -> dict:
     cache = {"mode": args.mode}
     if args.cache_dtype:
         cache["dtype"] = args.cache_dtype
-    cfg = cfg.replace(cache=cache)
+    cfg = cfg.replace(cache=cache, model={"activation_scale": args.activation_scale} if args.activation_scale else {})
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
@@ -149,6 +149,7 @@ def run_bench(args) -> dict:
         "mode": cfg.cache.mode,
         "cache_dtype": cfg.cache.dtype,
         "weight_dtype": cfg.model.weight_dtype,
+        "activation_scale": cfg.model.activation_scale,
         "attention": args.attention,
         "reduce": args.reduce,
         "gemm": gen.engine.gemm,
@@ -240,6 +241,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
     p.add_argument("--mode", choices=("ring", "launch"), default="ring", help="cache mode")
     p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
+    p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
+                   help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | pallas-exp2 | pallas-qik | cudnn | xla")

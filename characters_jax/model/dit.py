@@ -84,8 +84,9 @@ class Linear(nnx.Module):
             return w
         return Fp8Weight(values=w, scale=self.w_scale[...])
 
-    def __call__(self, x: jax.Array, out_dtype=None, layer: jax.Array | None = None) -> jax.Array:
-        return linear(x, self.weight(layer), out_dtype=out_dtype or x.dtype)
+    def __call__(self, x: jax.Array, out_dtype=None, layer: jax.Array | None = None,
+                 act_scale: str = "tensor") -> jax.Array:
+        return linear(x, self.weight(layer), out_dtype=out_dtype or x.dtype, act_scale=act_scale)
 
 
 class Block(nnx.Module):
@@ -97,6 +98,7 @@ class Block(nnx.Module):
         depth_scale = 1.0 / math.sqrt(2 * cfg.num_blocks)
         self.head_dim = hd
         self.eps = cfg.norm_eps
+        self.act_scale = cfg.activation_scale  # how qkv's and up's input is quantized (FP8)
         self.qkv = Linear(d, h * 3 * hd, ("heads", "embed"), dtype=wd, std=d**-0.5, rngs=rngs)
         self.out = Linear(h * hd, d, ("embed", "heads"), dtype=wd, std=(h * hd) ** -0.5 * depth_scale, rngs=rngs)
         self.up = Linear(d, f, ("mlp", "embed"), dtype=wd, std=d**-0.5, rngs=rngs)
@@ -115,13 +117,13 @@ class Block(nnx.Module):
         mod = shared_mod + self.modulation[...]
         h = (rms_norm(x, self.eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(x.dtype)
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv(h, layer=layer).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+            qkv = self.qkv(h, layer=layer, act_scale=self.act_scale).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
         q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
         k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
         v = qkv[:, :, 2]
         o, aux = attend(q, k, v)
         with jax.named_scope("mlp_up"):
-            hidden = jax.nn.gelu(self.up(h, layer=layer), approximate=True)
+            hidden = jax.nn.gelu(self.up(h, layer=layer, act_scale=self.act_scale), approximate=True)
         y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight(layer)), (hidden, self.down.weight(layer))])
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
 

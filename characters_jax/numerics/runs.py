@@ -33,6 +33,7 @@ class Variant:
     reduce: str = "psum"
     fp8_weights: bool = False
     gemm: str = "xla"
+    activation_scale: str | None = None  # FP8 activations per 'tensor' | 'row'; None: the config's
     description: str = ""
 
 
@@ -48,6 +49,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache + the Pallas kernel quantizing Q itself"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
         Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
+        Variant("stacked-gemm-row", fp8_weights=True, gemm="stacked", activation_scale="row", description="as stacked-gemm, activations quantized with one scale per row (token)"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
         Variant("ppermute", reduce="ppermute", description="ppermute ring reduction overlapping the GEMM"),
         Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", gemm="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs (gemm auto), reduce auto"),
@@ -144,6 +146,8 @@ def reference_config(cfg: Config, cache_dtype: str) -> Config:
 
 def variant_config(ref_cfg: Config, v: Variant) -> Config:
     model = {"weight_dtype": "fp8"} if v.fp8_weights else {}
+    if v.activation_scale:
+        model["activation_scale"] = v.activation_scale
     return ref_cfg.replace(model=model, cache={"mode": v.cache_mode, "dtype": v.cache_dtype or ref_cfg.cache.dtype})
 
 

@@ -2,8 +2,11 @@
 
 The weights of every projection are kept as ``float8_e4m3fn`` with a float32
 dequantization scale (per tensor, or per output channel).  Activations are
-quantized on the device with a per-tensor scale computed from their absolute
-maximum (never read by the host).  The product is one ``dot_general`` on the two
+quantized on the device with a scale computed from their absolute maximum (never
+read by the host): per tensor (``act_scale='tensor'``), or per row (``'row'``: one
+scale per token, from that row's maximum; the reduction stays inside the row, so it
+fuses with the row's normalization instead of needing a pass over the whole tensor
+first, and the product's row m is scaled by it after the GEMM).  The product is one ``dot_general`` on the two
 FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
 (no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
 
@@ -19,6 +22,7 @@ step (BUILD_NOTES has the history).  So only this post-scaled form exists.
 Shapes and dtypes:
   ``Fp8Weight.values``  [N, K] float8_e4m3fn
   ``Fp8Weight.scale``   []  float32 (per tensor) or [N] float32 (per channel)
+  ``Fp8Activation``     values [..., K] float8_e4m3fn, scale [] or [...] float32 (per row)
   ``linear(x, w)``      x [..., K] -> [..., N] in ``out_dtype`` (default x.dtype)
 """
 
@@ -32,6 +36,8 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
 _TINY = 1e-12  # keeps the scale of an all-zero tensor finite
+# How activations are scaled for FP8: one scale per tensor, or one per row (token).
+ACT_SCALES = ("tensor", "row")
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +94,8 @@ class Fp8Weight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Activation:
-    """Activations already quantized per tensor: ``values.astype(f32) * scale`` ~ x.
+    """Activations already quantized: ``values.astype(f32) * scale[..., None]`` ~ x
+    (scale [] per tensor, or [...] one per row).
 
     Lets a caller quantize before it pads rows (an FP8 pad fuses into the quantization's
     convert; a pad of the float activations is a copy of twice the bytes in front of the
@@ -96,14 +103,29 @@ class Fp8Activation:
     """
 
     values: jax.Array  # [..., K] float8_e4m3fn
-    scale: jax.Array  # [] float32
+    scale: jax.Array  # [] or [...] float32
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.values.shape
 
+    @property
+    def per_row(self) -> bool:
+        return self.scale.ndim > 0
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        return (self.values.astype(jnp.float32) * _row_broadcast(self.scale)).astype(dtype)
+
+
+def _row_broadcast(scale: jax.Array) -> jax.Array:
+    """[] stays []; per-row [...] -> [..., 1], to multiply [..., K] or [..., N]."""
+    return scale[..., None] if scale.ndim else scale
+
+
+def check_act_scale(act_scale: str) -> str:
+    if act_scale not in ACT_SCALES:
+        raise ValueError(f"unknown activation scale {act_scale!r}; expected one of {ACT_SCALES}")
+    return act_scale
 
 
 def _scale_from_amax(amax: jax.Array) -> jax.Array:
@@ -126,13 +148,22 @@ def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
     return Fp8Weight(values=_to_fp8(w, inv), scale=scale)
 
 
-def quantize_activation(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-tensor FP8 quantization on the device: x [..., K] -> (x_fp8 [..., K], scale [] f32).
+def quantize_activation(x: jax.Array, per_row: bool = False) -> tuple[jax.Array, jax.Array]:
+    """FP8 quantization on the device: x [..., K] -> (x_fp8 [..., K], scale f32), the scale
+    [] per tensor or [...] per row (the maximum over K of each row).
 
     The absolute maximum is reduced on the device; nothing is read by the host.
     """
-    scale = _scale_from_amax(jnp.max(jnp.abs(x)))
-    return _to_fp8(x, 1.0 / scale), scale
+    amax = jnp.max(jnp.abs(x), axis=-1) if per_row else jnp.max(jnp.abs(x))
+    scale = _scale_from_amax(amax)
+    return _to_fp8(x, _row_broadcast(1.0 / scale)), scale
+
+
+def quantize(x, act_scale: str = "tensor") -> Fp8Activation:
+    """x [..., K] float (or an Fp8Activation, returned as it is) -> Fp8Activation."""
+    if isinstance(x, Fp8Activation):
+        return x
+    return Fp8Activation(*quantize_activation(x, per_row=check_act_scale(act_scale) == "row"))
 
 
 def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
@@ -145,33 +176,39 @@ def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def linear(x: jax.Array, w, out_dtype=None, *, accumulate_dtype=None) -> jax.Array:
+def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "tensor") -> jax.Array:
     """y = x @ w.T for x [..., K] and w an ``Fp8Weight`` or a float [N, K] array.
 
     Args:
-      x: activations [..., K] (bf16 or f32).
+      x: activations [..., K] (bf16 or f32), or an ``Fp8Activation`` (FP8 weights only;
+        then out_dtype is required).
       w: ``Fp8Weight`` (values [N, K] e4m3, scale [] or [N]) or a float [N, K].
       out_dtype: dtype of the result (default x.dtype).
       accumulate_dtype: dtype the FP8 GEMM writes before the scales are applied
         (default f32; bf16 halves the bytes written).  Unused for float weights.
+      act_scale: how float x is quantized for FP8 weights: 'tensor' | 'row'.
     Returns:
       [..., N] in ``out_dtype``.
     """
+    if isinstance(x, Fp8Activation) and out_dtype is None:
+        raise ValueError("linear of an Fp8Activation needs out_dtype")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if not isinstance(w, Fp8Weight):
+        if isinstance(x, Fp8Activation):
+            raise ValueError("an Fp8Activation needs an Fp8Weight")
         y = jax.lax.dot_general(
             x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32,
         )
         return y.astype(out_dtype)
     if w.stacked:
-        return _stacked_linear(x, w, out_dtype)
-    x_fp8, x_scale = quantize_activation(x)
-    y = fp8_dot(x_fp8, w.values, accumulate_dtype or jnp.float32)
-    return (y.astype(jnp.float32) * (x_scale * w.scale)).astype(out_dtype)
+        return _stacked_linear(x, w, out_dtype, act_scale=act_scale)
+    xq = quantize(x, act_scale)
+    y = fp8_dot(xq.values, w.values, accumulate_dtype or jnp.float32)
+    return (y.astype(jnp.float32) * _row_broadcast(xq.scale) * w.scale).astype(out_dtype)
 
 
-def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.Array:
+def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "tensor") -> jax.Array:
     """x [..., K] @ (block `w.layer` of the stack).T (+ addend [..., N]), the weight read in place."""
     from pallas_kernels import fp8_gemm_stacked
     from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
@@ -181,30 +218,30 @@ def _stacked_linear(x: jax.Array, w: Fp8Weight, out_dtype, addend=None) -> jax.A
     if fp8_gemm_stacked.is_supported() and not stacked_gemm_runs_kernel(w):
         # A GPU where the kernel runs but this shape does not tile (e.g. N = 8064 at tp=4):
         # XLA's FP8 GEMM on the sliced layer, not the float32 reference.
-        if isinstance(x, Fp8Activation):
-            x = x.dequantize()
-        y = linear(x, w.at_layer(), jnp.float32)
+        y = linear(x, w.at_layer(), jnp.float32, act_scale=act_scale)
         if addend is not None:
             y = y + addend.astype(jnp.float32)
         return y.astype(out_dtype)
-    if isinstance(x, Fp8Activation):
-        x_fp8, x_scale = x.values, x.scale
-    else:
-        x_fp8, x_scale = quantize_activation(x)
+    xq = quantize(x, act_scale)
+    k = xq.shape[-1]
     w_scale = w.layer_scale
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if addend is not None:
         addend = addend.reshape(-1, addend.shape[-1])
-    y = stacked_fp8_matmul(x_fp8.reshape(-1, x.shape[-1]), w.values, w.layer, x_scale * w_scale,
-                           out_dtype=gemm_dtype, addend=addend)
-    return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
+    if xq.per_row:
+        scale, rows = w_scale, xq.scale.reshape(-1)
+    else:
+        scale, rows = xq.scale * w_scale, None
+    y = stacked_fp8_matmul(xq.values.reshape(-1, k), w.values, w.layer, scale,
+                           out_dtype=gemm_dtype, addend=addend, row_scale=rows)
+    return y.reshape(*xq.shape[:-1], -1).astype(out_dtype)
 
 
-def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None) -> jax.Array:
+def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str = "tensor") -> jax.Array:
     """x [..., K] @ w.T + addend for a stacked per-tensor ``Fp8Weight`` (``w.layer`` set).
 
-    x: float activations (quantized here), or an ``Fp8Activation`` (then out_dtype is
-    required). The block's weight is read in place from the stack
+    x: float activations (quantized here, per ``act_scale``: 'tensor' | 'row'), or an
+    ``Fp8Activation`` (then out_dtype is required). The block's weight is read in place from the stack
     (``pallas_kernels.fp8_gemm_stacked``; its reference elsewhere) and ``addend`` ([..., N],
     optional) is added to the float32 product before the one rounding to ``out_dtype``
     (default x.dtype): in the kernel's epilogue, which reads it in the GEMM's output dtype
@@ -214,7 +251,7 @@ def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None) -> jax.Array:
         raise ValueError("stacked_linear takes a stacked Fp8Weight (layer set)")
     if isinstance(x, Fp8Activation) and out_dtype is None:
         raise ValueError("stacked_linear of an Fp8Activation needs out_dtype")
-    return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend)
+    return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend, act_scale)
 
 
 def stacked_gemm_runs_kernel(w: Fp8Weight) -> bool:

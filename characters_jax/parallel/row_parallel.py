@@ -28,6 +28,11 @@ Methods (the ``method`` argument):
               over the SMs, cut tiles merged on the own GPU before they travel).
   'auto'      the best measured method for the backend (see ``resolve_method``).
 
+Activation scales (``act_scale``): 'tensor' quantizes each x with one scale; 'row' with
+one per row (token), applied to the product's rows after the GEMM (every method; the
+fused 'pallas' kernel's data-parallel GEMM takes a scalar scale, so its own pair stays
+per tensor there, while 'pallas-stream-k' takes the rows' scales in its epilogue).
+
 At tp = 1 there is nothing to reduce: with stacked weights the fused methods take the
 'psum' path, whose stacked GEMMs use the stream-K schedule (the fused kernel's
 data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from characters_jax.parallel.fp8_linear import (
-    Fp8Activation, Fp8Weight, fp8_dot, linear, quantize_activation, stacked_gemm_runs_kernel,
+    Fp8Activation, Fp8Weight, check_act_scale, fp8_dot, linear, quantize, stacked_gemm_runs_kernel,
     stacked_linear)
 
 METHODS = ("psum", "ppermute", "pallas", "pallas-stream-k", "auto")
@@ -116,14 +121,15 @@ def _check_pairs(pairs) -> tuple[int, int]:
     return m, n
 
 
-def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype) -> jax.Array:
+def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype,
+                  act_scale: str = "tensor") -> jax.Array:
     """Sum over pairs of x @ w.T on this device: [M, N] in out_dtype.
 
     The partials are summed in f32 and the sum is rounded to out_dtype once.
     """
     acc = None
     for x, w in pairs:
-        y = linear(x, w, out_dtype=jnp.float32)
+        y = linear(x, w, out_dtype=jnp.float32, act_scale=act_scale)
         acc = y if acc is None else acc + y
     return acc.astype(out_dtype)
 
@@ -132,7 +138,8 @@ def _all_stacked(pairs) -> bool:
     return all(isinstance(w, Fp8Weight) and w.stacked and not w.per_channel for _, w in pairs)
 
 
-def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype) -> jax.Array:
+def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
+                    act_scale: str = "tensor") -> jax.Array:
     """Sum over pairs of x @ w.T for stacked per-tensor FP8 weights: [M, N] out_dtype.
 
     The products are chained through the GEMM's epilogue addend, smallest K first: each
@@ -151,11 +158,19 @@ def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype) -> 
         else:
             _, w_next = order[i + 1]
             dtype = out_dtype if stacked_gemm_runs_kernel(w_next) else jnp.float32
-        acc = stacked_linear(x, w, out_dtype=dtype, addend=acc)
+        acc = stacked_linear(x, w, out_dtype=dtype, addend=acc, act_scale=act_scale)
     return acc
 
 
-def _psum_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
+    """Zero rows appended to the values (and to per-row scales) up to ``rows``."""
+    scale = xq.scale
+    if xq.per_row and scale.shape[0] != rows:
+        scale = jnp.pad(scale, (0, rows - scale.shape[0]))
+    return Fp8Activation(_pad_rows(xq.values, rows), scale)
+
+
+def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
     m = pairs[0][0].shape[0]
     stacked = _all_stacked(pairs)
     # 8 rows for the stacked kernel; elsewhere 16 (XLA's FP8 GEMM; the reference path keeps
@@ -166,13 +181,13 @@ def _psum_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
     if kernel:
         # Quantized first, then padded: the FP8 pad fuses into the quantization (a bf16 pad
         # in front of the amax is a copy: ~10 ms per step at tp=1, H200).
-        pairs = [(Fp8Activation(_pad_rows(x8, mp), s), w)
-                 for (x8, s), w in ((quantize_activation(x), w) for x, w in pairs)]
+        pairs = [(_pad_activation(quantize(x, act_scale), mp), w) for x, w in pairs]
     elif any(isinstance(w, Fp8Weight) for _, w in pairs):
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
     else:
         mp = m
-    partial = stacked_partial(pairs, out_dtype) if stacked else local_partial(pairs, out_dtype)
+    partial = (stacked_partial(pairs, out_dtype, act_scale) if stacked
+               else local_partial(pairs, out_dtype, act_scale))
     out = lax.psum(partial, axis_name)
     return out[:m] if mp != m else out
 
@@ -203,37 +218,42 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
-def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype) -> jax.Array:
+def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
     m, _ = _check_pairs(pairs)
     tp = lax.axis_size(axis_name)
     if tp == 1:
-        return local_partial(pairs, out_dtype)
+        return local_partial(pairs, out_dtype, act_scale)
     mc = -(-m // tp)
-    # Quantize each activation once (one scale for all its rows), then slice rows.
+    # Quantize each activation once (per tensor: one scale for all its rows), then slice
+    # rows (and per-row scales with them).
     prepared = []
     for x, w in pairs:
         if isinstance(w, Fp8Weight):
-            x_fp8, x_scale = quantize_activation(x)
-            prepared.append((_pad_rows(x_fp8, mc * tp), w.values, x_scale * w.scale))
+            xq = _pad_activation(quantize(x, act_scale), mc * tp)
+            prepared.append((xq.values, w.values, xq.scale if xq.per_row else None,
+                             w.scale if xq.per_row else xq.scale * w.scale))
         else:
-            prepared.append((_pad_rows(x, mc * tp), w.astype(x.dtype), None))
+            prepared.append((_pad_rows(x, mc * tp), w.astype(x.dtype), None, None))
 
     def chunk_partial(c):
         acc = None
-        for x_op, w_op, scale in prepared:
+        for x_op, w_op, row_scale, scale in prepared:
             rows = lax.dynamic_slice_in_dim(x_op, c * mc, mc, axis=0)
             if scale is None:
                 y = lax.dot_general(rows, w_op, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32)
             else:
                 y = fp8_dot(rows, w_op, jnp.float32) * scale
+                if row_scale is not None:
+                    y = y * lax.dynamic_slice_in_dim(row_scale, c * mc, mc)[:, None]
             acc = y if acc is None else acc + y
         return acc.astype(out_dtype)
 
     return _ring_all_reduce_rows(chunk_partial, m, tp, axis_name)
 
 
-def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, stream_k: bool = False) -> jax.Array:
+def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
+                          stream_k: bool = False) -> jax.Array:
     from pallas_kernels import fp8_gemm_allreduce
 
     # The fused kernel runs the pair with the largest K; the others are computed first
@@ -245,18 +265,22 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, stream_k: bool = Fal
     if not rest:
         addend = None
     elif _all_stacked(rest):
-        addend = stacked_partial(rest, out_dtype)
+        addend = stacked_partial(rest, out_dtype, act_scale)
     else:
-        addend = local_partial(rest, out_dtype)
+        addend = local_partial(rest, out_dtype, act_scale)
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
     config = fp8_gemm_allreduce.STREAM_K_CONFIG if stream_k else None
-    return fp8_gemm_allreduce.gemm_allreduce(x, w.values, w.layer_scale, layer=w.layer, addend=addend,
-                                             axis_name=axis_name, out_dtype=out_dtype, config=config)
+    # The data-parallel fused GEMM takes one scale: its pair is quantized per tensor.
+    xq = quantize(x, act_scale if stream_k else "tensor")
+    return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.layer_scale, layer=w.layer,
+                                             addend=addend, axis_name=axis_name,
+                                             out_dtype=out_dtype, x_scale=xq.scale, config=config)
 
 
 def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
-                               method: str = "psum", out_dtype=None) -> jax.Array:
+                               method: str = "psum", out_dtype=None,
+                               act_scale: str = "tensor") -> jax.Array:
     """All-reduced row-parallel product, inside a shard_map body over ``axis_name``.
 
     Args:
@@ -267,22 +291,26 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
       method: 'psum' | 'ppermute' | 'pallas' | 'pallas-stream-k' | 'auto' (module docstring).
       out_dtype: dtype of the result and of the communicated partials
         (default: the first activation's dtype).
+      act_scale: how activations are quantized for FP8 weights: 'tensor' | 'row'
+        (module docstring).
     Returns:
       [M, N] = sum over devices (and pairs) of x @ w.T, replicated on every device.
     """
     pairs = _as_pairs(x_shard, w_shard)
     _check_pairs(pairs)
     out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
+    check_act_scale(act_scale)
     method = resolve_method(method, jax.default_backend(), pairs)
     if method in FUSED_METHODS and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
         method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
-        return _psum_matmul_reduce(pairs, axis_name, out_dtype)
+        return _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     if method == "ppermute":
         # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
         pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
-        return _ppermute_matmul_reduce(pairs, axis_name, out_dtype)
-    return _pallas_matmul_reduce(pairs, axis_name, out_dtype, stream_k=method == "pallas-stream-k")
+        return _ppermute_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
+    return _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale,
+                                 stream_k=method == "pallas-stream-k")
 
 
 def reduce(partial: jax.Array, *, axis_name: str = "tp", method: str = "psum") -> jax.Array:
