@@ -500,9 +500,8 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         out, _ = _kernel(x, w_fp8, scale1, addend, **kw)
         return out[:m]
     if config.stream_k:
-        x, addend = _pad_rows(x, addend, 8, out_dtype)  # the stream-K kernel's TMA bounds
-        if rows is not None:
-            rows = jnp.pad(rows, (0, x.shape[0] - m))
+        # The stream-K kernel's TMA bounds (the rows' scales need no pad: their copy is bounded).
+        x, addend = _pad_rows(x, addend, 8, out_dtype)
         own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, **kw)
     else:
         x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)

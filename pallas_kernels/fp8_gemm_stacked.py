@@ -31,12 +31,14 @@ it by TMA into the sub-tile's output buffer in shared memory.  Two products that
 float32 outputs and an XLA add.  The kernel takes the addend in out_dtype (it is cast);
 the reference adds it in float32.
 
-Row scales: ``row_scale`` [M] float32 (optional; x quantized per row) multiplies row m of
-the product with ``scale`` in the epilogue, before the addend (stream-K schedule only).
+Row scales: ``row_scale`` [R] float32, R <= M (optional; x quantized per row) multiplies
+row m of the product with ``scale`` in the epilogue, before the addend (stream-K schedule
+only); rows from R on are scaled by 0 (a caller that padded x's rows passes the scales of
+the real rows: the kernel's copy is bounded there, so no pad of the scales is needed).
 
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
-scale [] float32 (x scale * w scale, or w scale with row_scale), row_scale None or [M]
-float32, addend None or [M, N].  K % tile_k == 0 and
+scale [] float32 (x scale * w scale, or w scale with row_scale), row_scale None or [R]
+float32 (R <= M), addend None or [M, N].  K % tile_k == 0 and
 N % (2 * tile_n) == 0 (128 and 256 by default: every characters-57b projection fits).
 """
 
@@ -131,7 +133,8 @@ def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=
                    precision=lax.Precision.HIGHEST)
     y = y * jnp.asarray(scale, jnp.float32)
     if row_scale is not None:
-        y = y * row_scale.astype(jnp.float32)[:, None]
+        rows = row_scale.astype(jnp.float32)
+        y = y * jnp.pad(rows, (0, y.shape[0] - rows.shape[0]))[:, None]
     if addend is not None:
         y = y + addend.astype(jnp.float32)
     return y.astype(out_dtype)
@@ -157,8 +160,10 @@ def _check(x_fp8, w_stacked, layer, scale, addend=None, row_scale=None):
         raise ValueError(f"K mismatch: x {x_fp8.shape} vs w_stacked {w_stacked.shape}")
     if jnp.ndim(layer) != 0 or jnp.ndim(scale) != 0:
         raise ValueError("layer and scale must be scalars")
-    if row_scale is not None and row_scale.shape != (x_fp8.shape[0],):
-        raise ValueError(f"row_scale must be [M] = [{x_fp8.shape[0]}], got {row_scale.shape}")
+    if row_scale is not None and not (row_scale.ndim == 1
+                                      and 1 <= row_scale.shape[0] <= x_fp8.shape[0]):
+        raise ValueError(f"row_scale must be [R], R <= M = {x_fp8.shape[0]}, got "
+                         f"{row_scale.shape}")
     if addend is not None and addend.shape != (x_fp8.shape[0], w_stacked.shape[1]):
         raise ValueError(f"addend must be [M, N] = {(x_fp8.shape[0], w_stacked.shape[1])}, got "
                          f"{addend.shape}")
@@ -180,7 +185,9 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         raise NotImplementedError("row scales: the stream-K schedule only")
     m8 = -(-m // 8) * 8
     if row_scale is not None:
-        row_scale = jnp.pad(row_scale.astype(jnp.float32), (0, m8 - m))
+        row_scale = row_scale.astype(jnp.float32)
+        if row_scale.shape[0] < min(config.tile_m, m8):  # shorter than one tile's copy
+            row_scale = jnp.pad(row_scale, (0, m8 - row_scale.shape[0]))
     x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
     if addend is not None:
         addend = addend.astype(out_dtype)
@@ -206,8 +213,8 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
     scale: [] float32 (x_scale * w_scale, applied in the epilogue);
-    row_scale: None or [M] float32, x's per-row scales (then ``scale`` is w's), applied
-    with it (stream-K configs only);
+    row_scale: None or [R] float32 (R <= M), x's per-row scales (then ``scale`` is w's),
+    applied with it; rows from R on are scaled by 0 (stream-K configs only);
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
     float32 before the rounding to out_dtype.
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (* row_scale[:, None])

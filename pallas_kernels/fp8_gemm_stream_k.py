@@ -50,9 +50,10 @@ Shapes and dtypes (one device):
   w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
   scale  [1]        float32 (x scale * w scale, read once as a scalar: no shared memory,
                     which leaves room for 4 stages of 128 x 256 tiles)
-  row_scale None or [Mx] float32: per-row scales of x, applied with ``scale`` in the
-                    epilogue (each block's 128 rows, 512 bytes, copied once to shared
-                    memory: a block only ever works on one M tile)
+  row_scale None or [R] float32, R <= Mx: per-row scales of x, applied with
+                    ``scale`` in the epilogue (each block's 128 rows, 512 bytes, copied
+                    once to shared memory: a block only ever works on one M tile); rows
+                    from R on are out of the copy's bounds and scaled by 0
   addend None or [Mx, N] out_dtype
   out    [Mx, N]    out_dtype
 """
@@ -194,8 +195,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     num_layers = w.shape[0]
     has_addend = addend is not None
     has_rows = row_scale is not None
-    if has_rows and row_scale.shape != (mx,):
-        raise ValueError(f"row_scale must be [{mx}], got {row_scale.shape}")
+    if has_rows and not (row_scale.ndim == 1 and 1 <= row_scale.shape[0] <= mx):
+        raise ValueError(f"row_scale must be [R], R <= {mx}, got {row_scale.shape}")
     in_tf, out_tf = smem_transforms(c, out_dtype)
     f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]

@@ -320,13 +320,14 @@ def test_pallas_stream_k_method_runs_the_stream_k_exchange(monkeypatch, tp):
 
 @pytest.mark.parametrize("method,tp", [("psum", 1), ("psum", 2), ("pallas", 2), ("pallas-stream-k", 2)])
 def test_row_scales_reach_the_stream_k_kernels(monkeypatch, method, tp):
-    """act_scale='row' on Hopper: every stream-K GEMM takes the rows' scales (a [760] float32
-    operand); the data-parallel fused kernel ('pallas' at tp >= 2) takes none, its pair
-    quantized per tensor."""
+    """act_scale='row' on Hopper: every stream-K GEMM takes the rows' scales (a [757] float32
+    operand: the 757 real rows of the 760 it multiplies, not padded); the data-parallel
+    fused kernel ('pallas' at tp >= 2) takes none, its pair quantized per tensor."""
     text = _lower_block_for_cuda(monkeypatch, method, tp=tp, act_scale="row")
     calls = _calls(text)
     assert len(calls) == 2
     ins = [ln.rsplit(":", 1)[-1].split("->")[0] for ln in calls]
-    with_rows = ["tensor<760xf32>" in i for i in ins]
+    with_rows = ["tensor<757xf32>" in i for i in ins]
     assert with_rows == ([True, False] if method == "pallas" else [True, True]), ins
+    assert not re.search(r"stablehlo.pad.*-> tensor<\d+xf32>", text)
     assert _no_weight_slices(text)

@@ -353,13 +353,14 @@ def _self_times(events: list[DeviceEvent]) -> list[float]:
 
 
 def compute_breakdown(events: list[DeviceEvent], index: HloIndex, steps: int, wall_ms: list[float] | None = None,
-                      top: int = 15) -> dict:
+                      top: int = 60) -> dict:
     """Component breakdown of `steps` steps' device events, in ms per step (mean over devices).
 
     Returns a JSON-able dict: components_ms / components_share (of the kernel time),
     kernel_ms (sum of components), busy_ms (union of intervals), overlap_ms (kernel - busy),
     span_ms (first event start to last end, per step), wall_ms (host, per step, if given),
-    launch_gap_ms (wall - busy), by_scope {scope: {component: ms}}, per_device, top_ops,
+    launch_gap_ms (wall - busy), by_scope {scope: {component: ms}}, per_device, top_ops (the
+    `top` costliest instructions; the small ones are what elementwise work is made of),
     scoped_share (fraction of kernel time whose instruction was found in the program).
     """
     if steps < 1:

@@ -95,7 +95,8 @@ class Fp8Weight:
 @dataclasses.dataclass(frozen=True)
 class Fp8Activation:
     """Activations already quantized: ``values.astype(f32) * scale[..., None]`` ~ x
-    (scale [] per tensor, or [...] one per row).
+    (scale [] per tensor, or [...] one per row; for 2-D values [M, K] a per-row scale may
+    cover only the first R <= M rows, the rest being zero padding: ``row_scales``).
 
     Lets a caller quantize before it pads rows (an FP8 pad fuses into the quantization's
     convert; a pad of the float activations is a copy of twice the bytes in front of the
@@ -113,8 +114,15 @@ class Fp8Activation:
     def per_row(self) -> bool:
         return self.scale.ndim > 0
 
+    def row_scales(self) -> jax.Array:
+        """The scale, per-row scales padded with zeros to the rows of ``values``."""
+        s = self.scale
+        if s.ndim == 1 and s.shape[0] < self.values.shape[0]:
+            s = jnp.pad(s, (0, self.values.shape[0] - s.shape[0]))
+        return s
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.values.astype(jnp.float32) * _row_broadcast(self.scale)).astype(dtype)
+        return (self.values.astype(jnp.float32) * _row_broadcast(self.row_scales())).astype(dtype)
 
 
 def _row_broadcast(scale: jax.Array) -> jax.Array:
@@ -205,7 +213,7 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
         return _stacked_linear(x, w, out_dtype, act_scale=act_scale)
     xq = quantize(x, act_scale)
     y = fp8_dot(xq.values, w.values, accumulate_dtype or jnp.float32)
-    return (y.astype(jnp.float32) * _row_broadcast(xq.scale) * w.scale).astype(out_dtype)
+    return (y.astype(jnp.float32) * _row_broadcast(xq.row_scales()) * w.scale).astype(out_dtype)
 
 
 def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "tensor") -> jax.Array:

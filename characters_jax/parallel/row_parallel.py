@@ -162,10 +162,11 @@ def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
     return acc
 
 
-def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
-    """Zero rows appended to the values (and to per-row scales) up to ``rows``."""
+def _pad_activation(xq: Fp8Activation, rows: int, pad_scales: bool = True) -> Fp8Activation:
+    """Zero rows appended to the values up to ``rows``, and to per-row scales unless
+    pad_scales=False (the stacked kernel bounds its copy of them: no pad kernel)."""
     scale = xq.scale
-    if xq.per_row and scale.shape[0] != rows:
+    if pad_scales and xq.per_row and scale.shape[0] != rows:
         scale = jnp.pad(scale, (0, rows - scale.shape[0]))
     return Fp8Activation(_pad_rows(xq.values, rows), scale)
 
@@ -181,7 +182,8 @@ def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax
     if kernel:
         # Quantized first, then padded: the FP8 pad fuses into the quantization (a bf16 pad
         # in front of the amax is a copy: ~10 ms per step at tp=1, H200).
-        pairs = [(_pad_activation(quantize(x, act_scale), mp), w) for x, w in pairs]
+        pairs = [(_pad_activation(quantize(x, act_scale), mp, pad_scales=False), w)
+                 for x, w in pairs]
     elif any(isinstance(w, Fp8Weight) for _, w in pairs):
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
     else:
