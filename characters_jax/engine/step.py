@@ -28,10 +28,12 @@ from characters_jax.config import Config, ConfigError
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
+from characters_jax.parallel.fp8_linear import Fp8Activation
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
+from pallas_kernels import fp8_row_quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,12 @@ class EngineOptions:
     attention call, 3 pipeline stages; other attention impls undo it per call). On an H200
     at tp=1 the V^T write costs ~57 us per block pass (cache upkeep 24.4 vs 10.7 ms per
     step) against 1.6 ms per step saved in attention: the step is 2.7% slower with it
-    (BUILD_NOTES, "The V^T cache in the step")."""
+    (BUILD_NOTES, "The V^T cache in the step");
+    input_quant: how the block's modulated norm is quantized for FP8 weights with per-row
+    activation scales (model.activation_scale = 'row'): 'pallas' (one kernel, norm +
+    modulation + row maximum + e4m3, `pallas_kernels.fp8_row_quantize`; NVIDIA GPUs of
+    compute capability 8.9+) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and
+    runs, else xla)."""
 
     attention: str = "auto"
     reduce: str = "auto"
@@ -61,16 +68,36 @@ class EngineOptions:
     kv_in_place: bool = True
     noise_ulp_seed: int | None = None
     v_cache: str = "plain"
+    input_quant: str = "auto"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
             raise ValueError(f"gemm must be one of {GEMM_MODES}, got {self.gemm!r}")
         if self.v_cache not in V_CACHE_MODES:
             raise ValueError(f"v_cache must be one of {V_CACHE_MODES}, got {self.v_cache!r}")
+        if self.input_quant not in INPUT_QUANT_MODES:
+            raise ValueError(f"input_quant must be one of {INPUT_QUANT_MODES}, got {self.input_quant!r}")
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
 V_CACHE_MODES = ("plain", "transposed")
+INPUT_QUANT_MODES = ("auto", "xla", "pallas")
+
+
+def resolve_input_quant(input_quant: str, model) -> str:
+    """'pallas' or 'xla' for a ModelConfig: the fused kernel applies to FP8 weights with
+    per-row activation scales; asked for by name where it cannot run: ConfigError."""
+    applies = model.weight_dtype == "fp8" and model.activation_scale == "row"
+    if input_quant == "xla":
+        return "xla"
+    if input_quant == "pallas":
+        if not applies:
+            raise ConfigError("input_quant='pallas' quantizes per row for FP8 weights: needs "
+                              "model.weight_dtype='fp8' and model.activation_scale='row'")
+        if not fp8_row_quantize.is_supported():
+            raise ConfigError("input_quant='pallas' needs an NVIDIA GPU of compute capability 8.9+")
+        return "pallas"
+    return "pallas" if applies and fp8_row_quantize.is_supported() else "xla"
 
 
 def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
@@ -147,6 +174,7 @@ class Engine:
         cfg.validate_tp(mesh.size)
         self.cfg, self.mesh, self.options = cfg, mesh, options
         self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
+        self.input_quant = resolve_input_quant(options.input_quant, cfg.model)
         layout = kvc.CacheLayout.from_config(cfg)
         check_attention(options.attention, layout)
         self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
@@ -236,7 +264,15 @@ class Engine:
                     o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
                 return o, c
 
-            return block(x, shared_mod, attend, reduce, layer=layer)
+            return block(x, shared_mod, attend, reduce, layer=layer, block_input=block_input)
+
+        block_input = None
+        if self.input_quant == "pallas":
+            def block_input(x, shift, scale, eps):
+                # Rows padded to the stacked GEMM's multiple of 8 by the kernel itself.
+                values, row_scale = fp8_row_quantize.norm_modulate_quantize(
+                    x, shift, scale, eps=eps, rows_out=-(-x.shape[0] // 8) * 8, impl="pallas")
+                return Fp8Activation(values, row_scale)
 
         return block_fn
 

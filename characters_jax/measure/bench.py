@@ -75,7 +75,7 @@ def run_bench(args) -> dict:
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache, input_quant=args.input_quant))
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -156,6 +156,7 @@ def run_bench(args) -> dict:
         "kv_in_place": not args.kv_slice,
         "v_cache": args.v_cache,
         "v_transposed": gen.engine.layout.v_transposed,
+        "input_quant": gen.engine.input_quant,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
         "params_billion": count_params(cfg) / 1e9,
@@ -241,6 +242,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
     p.add_argument("--mode", choices=("ring", "launch"), default="ring", help="cache mode")
     p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
+    p.add_argument("--input-quant", choices=("auto", "xla", "pallas"), default="auto",
+                   help="FP8 weights with per-row activation scales: the block's norm + modulation + quantization as one Pallas kernel (pallas), XLA's fusions (xla), or auto")
     p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
                    help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")

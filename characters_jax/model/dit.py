@@ -34,6 +34,10 @@ TIME_FREQ_DIM = 256
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 # reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
 ReduceFn = Callable[[list], jax.Array]
+# block_input(x, shift, scale, eps) -> the block's modulated norm h [T, d] in x.dtype
+# (`modulated_norm`), or already quantized for FP8 weights as an Fp8Activation whose values
+# may carry padding rows past T (the engine's fused kernel, pallas_kernels.fp8_row_quantize).
+BlockInputFn = Callable[[jax.Array, jax.Array, jax.Array, float], object]
 
 
 def _dtype(name: str):
@@ -44,6 +48,12 @@ def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """RMSNorm without gain over the last axis, computed in float32, returned in x.dtype."""
     xf = x.astype(jnp.float32)
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def modulated_norm(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """adaLN on an RMSNorm: rms_norm(x) * (1 + scale) + shift in float32, in x.dtype.
+    x [T, d]; shift, scale [d] float32."""
+    return (rms_norm(x, eps).astype(jnp.float32) * (1.0 + scale) + shift).astype(x.dtype)
 
 
 def timestep_features(sigma: jax.Array, dim: int = TIME_FREQ_DIM) -> jax.Array:
@@ -84,8 +94,9 @@ class Linear(nnx.Module):
             return w
         return Fp8Weight(values=w, scale=self.w_scale[...])
 
-    def __call__(self, x: jax.Array, out_dtype=None, layer: jax.Array | None = None,
+    def __call__(self, x, out_dtype=None, layer: jax.Array | None = None,
                  act_scale: str = "tensor") -> jax.Array:
+        """x [..., K] float, or an Fp8Activation (then out_dtype is required)."""
         return linear(x, self.weight(layer), out_dtype=out_dtype or x.dtype, act_scale=act_scale)
 
 
@@ -110,20 +121,23 @@ class Block(nnx.Module):
         offset = 0.1 * jax.random.normal(rngs.params(), (3, d), jnp.float32)
         self.modulation = nnx.Param(offset.at[2].add(1.0), logical_axes=(None, "embed"))
 
-    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn, layer: jax.Array | None = None):
+    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn,
+                 layer: jax.Array | None = None, block_input: BlockInputFn | None = None):
         """x: [T, d] (replicated); shared_mod: [3, d] float32; layer: [] int32, used when the
-        projections hold the whole layer stack. Returns (x', aux from attend)."""
+        projections hold the whole layer stack; block_input: how h is made (default
+        `modulated_norm`). Returns (x', aux from attend)."""
         t = x.shape[0]
         mod = shared_mod + self.modulation[...]
-        h = (rms_norm(x, self.eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(x.dtype)
+        h = (block_input or modulated_norm)(x, mod[0], mod[1], self.eps)
+        proj = dict(out_dtype=x.dtype, layer=layer, act_scale=self.act_scale)
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv(h, layer=layer, act_scale=self.act_scale).reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+            qkv = self.qkv(h, **proj)[:t].reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
         q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
         k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
         v = qkv[:, :, 2]
         o, aux = attend(q, k, v)
         with jax.named_scope("mlp_up"):
-            hidden = jax.nn.gelu(self.up(h, layer=layer, act_scale=self.act_scale), approximate=True)
+            hidden = jax.nn.gelu(self.up(h, **proj)[:t], approximate=True)
         y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight(layer)), (hidden, self.down.weight(layer))])
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
 
@@ -179,7 +193,7 @@ class DiT(nnx.Module):
     def head(self, x: jax.Array, temb: jax.Array) -> jax.Array:
         """Velocity for the image tokens: x [T_img, d], temb [d] -> [T_img, C] float32."""
         mod = self.final_mod(jax.nn.silu(temb).astype(self.act_dtype)[None])[0].astype(jnp.float32).reshape(2, -1)
-        h = (rms_norm(x, self.cfg.norm_eps).astype(jnp.float32) * (1.0 + mod[1]) + mod[0]).astype(self.act_dtype)
+        h = modulated_norm(x, mod[0], mod[1], self.cfg.norm_eps).astype(self.act_dtype)
         return self.proj_out(h).astype(jnp.float32)
 
 
