@@ -21,6 +21,8 @@
 #                     in the default VARIANTS)
 #        ring_fused_row_xla as ring_fused_row, the block input quantized by XLA (--input-quant
 #                     xla; not in the default VARIANTS)
+#        ring_fused_tensor as ring_fused, FP8 activations quantized per tensor (--activation-scale
+#                     tensor; characters-57b's config says 'row'; not in the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
 #   3. the VAE decoder at 704x1088 on GPU 1 (benchmarks/decoder_timing.py)
 #   4. the breakdown plot
@@ -104,6 +106,7 @@ for v in $VARIANTS; do
     ring_fused_sk) opts=(--mode ring --attention "$ATTN_FP8" --reduce pallas-stream-k --gemm stacked) ;;
     ring_qik)     opts=(--mode ring --attention pallas-qik --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_fused_row) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row) ;;
+    ring_fused_tensor) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale tensor) ;;
     ring_fused_row_xla) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant xla) ;;
     *) echo "unknown variant $v"; continue ;;
   esac

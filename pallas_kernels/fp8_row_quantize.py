@@ -9,7 +9,8 @@ at d = 9216, against ~21 MB for one read of x and one write of the FP8 values
 (BUILD_NOTES, "Per-row activation scales").
 
 This kernel does it in one pass: one program per output row, the whole row in registers
-(``block`` = the next power of two of D lanes, masked), so x is read once; it writes
+(``block`` = the next power of two of D lanes, masked), so x is read once (Pallas's Triton
+backend, which jax 0.11 marks deprecated in favour of Mosaic GPU); it writes
 the e4m3 values for ``rows_out`` rows (rows from M on are zero: the pad costs nothing) and
 the row's scale (0 for the padding rows, which the stacked GEMM then scales to 0).
 
@@ -89,7 +90,16 @@ def _kernel(x_ref, shift_ref, scale_ref, q_ref, s_ref, *, m: int, d: int, block:
     s_ref[row] = jnp.where(valid, s, 0.0)
 
 
-def _pallas(x, shift, scale, *, eps, rows_out, interpret: bool):
+def default_num_warps(d: int) -> int:
+    """Warps per program (one row): the row's power-of-two lanes / 1024, 1 to 8. (At
+    757 x 9216 on an H200, 8 warps took 26.0-26.3 us a call, 16 took 28.7-29.2, 2 and 4
+    26.5-30.8: BUILD_NOTES, "The block input as one kernel".)"""
+    from jax.experimental import pallas as pl
+
+    return min(max(pl.next_power_of_2(d) // 1024, 1), 8)
+
+
+def _pallas(x, shift, scale, *, eps, rows_out, interpret: bool, num_warps: int | None = None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -101,19 +111,20 @@ def _pallas(x, shift, scale, *, eps, rows_out, interpret: bool):
         grid=(rows_out,),
         out_shape=(jax.ShapeDtypeStruct((rows_out, d), FP8),
                    jax.ShapeDtypeStruct((rows_out,), jnp.float32)),
-        compiler_params=plt.CompilerParams(num_warps=min(max(block // 1024, 1), 16)),
+        compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(d)),
         interpret=interpret,
         name=KERNEL_NAME,
     )(x, shift.astype(jnp.float32), scale.astype(jnp.float32))
 
 
 def norm_modulate_quantize(x, shift, scale, *, eps: float, rows_out: int | None = None,
-                           impl: str = "auto"):
+                           impl: str = "auto", num_warps: int | None = None):
     """x [M, D], shift/scale [D] -> (values [rows_out, D] e4m3, row_scale [rows_out] f32):
     rows_out (default M) >= M; rows past M are zero with scale 0.
 
     impl: 'auto' (the Triton kernel on a GPU that has it, else the reference) | 'pallas' |
-    'reference' | 'interpret' (the kernel under the Pallas interpreter, CPU)."""
+    'reference' | 'interpret' (the kernel under the Pallas interpreter, CPU).
+    num_warps: warps per program (default ``default_num_warps``)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if x.ndim != 2 or shift.shape != (x.shape[1],) or scale.shape != (x.shape[1],):
@@ -126,4 +137,5 @@ def norm_modulate_quantize(x, shift, scale, *, eps: float, rows_out: int | None 
         impl = "pallas" if is_supported() else "reference"
     if impl == "reference":
         return reference(x, shift, scale, eps=eps, rows_out=rows_out)
-    return _pallas(x, shift, scale, eps=eps, rows_out=rows_out, interpret=impl == "interpret")
+    return _pallas(x, shift, scale, eps=eps, rows_out=rows_out, interpret=impl == "interpret",
+                   num_warps=num_warps)

@@ -134,11 +134,40 @@ def test_engine_input_quant_resolution():
         EngineOptions(input_quant="triton")
 
 
+def _host_emulation(x, shift, scale, eps=EPS):
+    """float64 on the host with the program's two bf16 roundings (the norm's and h's):
+    (values [M, D] float32 on the e4m3 grid, scales [M])."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    xf = np.asarray(x, np.float64)
+    rstd = 1.0 / np.sqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    normed = (xf * rstd).astype(bf16).astype(np.float64)
+    h = (normed * (1.0 + np.asarray(scale, np.float64)) + np.asarray(shift, np.float64))
+    h = h.astype(bf16).astype(np.float64)
+    s = np.maximum(np.abs(h).max(-1), rq.TINY) / rq.FP8_MAX
+    q = np.clip(h / s[:, None], -rq.FP8_MAX, rq.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float32), s
+
+
+def test_host_emulation_is_the_reference():
+    """The host emulation the GPU test trusts agrees with the CPU reference (bit for bit but
+    for rare one-step roundings of float32 vs float64)."""
+    x, shift, scale = _inputs(_seed(), 33, 200)
+    q, s = rq.reference(x, shift, scale, eps=EPS)
+    hq, hs = _host_emulation(x, shift, scale)
+    assert (np.abs(np.asarray(s) / hs - 1) > 1e-6).mean() < 0.1
+    assert (np.asarray(q, np.float32) != hq).mean() < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,d", [(757, 9216), (40, 2304)])
 def test_kernel_on_gpu_matches_reference(m, d):
-    """On the GPU at the model's shape, NaN-poisoned memory first: values equal to the
-    reference's but for rare one-step roundings (the GPU's rsqrt), scales within 1e-6."""
+    """On the GPU at the model's shape, NaN-poisoned memory first, against the host's float64
+    emulation of the program (the norm and h rounded to bf16, as written): scales and e4m3
+    values equal but for rare one-step roundings. XLA's own GPU program is not the yardstick
+    here: it keeps float32 where the program rounds to bf16 (excess precision), so its
+    scales differ by up to ~1%; that is checked loosely."""
     if not rq.is_supported():
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
     seed = _seed()
@@ -147,14 +176,15 @@ def test_kernel_on_gpu_matches_reference(m, d):
     rows_out = -(-m // 8) * 8
     q, s = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
         x, a, b, eps=EPS, rows_out=rows_out, impl="pallas"))(x, shift, scale)
-    rq_, rs_ = jax.jit(lambda x, a, b: rq.reference(x, shift, scale, eps=EPS, rows_out=rows_out))(
-        x, shift, scale)
-    q32, r32 = np.asarray(q, np.float32), np.asarray(rq_, np.float32)
-    assert np.isfinite(q32).all() and np.isfinite(np.asarray(s)).all(), seed
-    np.testing.assert_allclose(np.asarray(s), np.asarray(rs_), rtol=1e-6, err_msg=str(seed))
-    assert (q32 != r32).mean() < 1e-3, seed
-    deq = q32[:m] * np.asarray(s)[:m, None]
+    q32, s32 = np.asarray(q, np.float32), np.asarray(s, np.float64)
+    assert np.isfinite(q32).all() and np.isfinite(s32).all(), seed
+    assert not q32[m:].any() and not s32[m:].any()
+    hq, hs = _host_emulation(x, shift, scale)
+    assert (np.abs(s32[:m] / hs - 1) > 1e-6).mean() < 0.02, seed
+    assert (q32[:m] != hq).mean() < 2e-3, seed
+    _, xla_s = jax.jit(lambda x, a, b: rq.reference(x, a, b, eps=EPS))(x, shift, scale)
+    np.testing.assert_allclose(s32[:m], np.asarray(xla_s), rtol=1.5e-2, err_msg=str(seed))
+    deq = q32[:m] * s32[:m, None]
     ref = np.asarray(modulated_norm(x, shift, scale, EPS), np.float64)
     for r in (0, m // 2, m - 1):
         assert np.linalg.norm(deq[r] - ref[r]) / np.linalg.norm(ref[r]) < 5e-2, (seed, r)
-    assert not q32[m:].any() and not np.asarray(s)[m:].any()
