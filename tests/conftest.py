@@ -1,8 +1,19 @@
-"""Test set-up: 4 virtual CPU devices for the tensor-parallel mesh (set before jax loads)."""
+"""Test set-up (before jax loads): 4 virtual CPU devices for the tensor-parallel mesh, and a
+compilation cache for this run only.
+
+The cache is a fresh directory, so nothing from an earlier run is reused: the tests build
+many generators of the same config, and their identical programs are compiled once. It is
+set through the environment, so the processes the service tests start share it. Set
+CHARACTERS_TEST_COMPILE_CACHE=0 to compile everything afresh."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+if os.environ.get("CHARACTERS_TEST_COMPILE_CACHE", "1") != "0":
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="characters-jax-test-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

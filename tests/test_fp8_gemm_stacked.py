@@ -365,18 +365,16 @@ def test_stream_k_plan_covers_every_step_once(n, k, teams):
 @pytest.mark.parametrize("m,n,k,num_sms,config,with_addend,with_rows", [
     # 2 M x 3 N tiles (the second M tile partly past M), 6 K steps, 2 teams of 2 blocks
     (136, 768, 768, 4, st.Config(stream_k=True), False, False),
-    (136, 768, 768, 4, st.Config(stream_k=True, stages=4), True, False),  # the addend, the merge
+    # the addend, the float32 merge, per-row scales of x (both pieces of a cut tile scaled)
+    (136, 768, 768, 4, st.Config(stream_k=True, stages=4), True, True),
     # 1 M tile x 4 slabs of 4 K steps on 3 teams of one block: cut twice
     (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4), False, False),
     (40, 256, 256, 2, st.Config(stream_k=True), False, False),  # one tile: one block, no cut
     # the cut tiles' pieces summed by TMA reduce-add (the interpreter reads and adds)
     (136, 768, 768, 4, st.STREAM_K_CONFIG, True, False),
+    (133, 768, 768, 4, st.STREAM_K_CONFIG, False, True),  # 133 scales for 136 rows (bounded)
     (120, 512, 512, 3, st.Config(stream_k=True, tile_n=64, stages=4, reduce="tma_add"), False,
      False),
-    # per-row scales of x: both pieces of a cut tile scaled by them, then the addend
-    (136, 768, 768, 4, st.STREAM_K_CONFIG, True, True),
-    (136, 768, 768, 4, st.STREAM_K_F32_CONFIG, False, True),
-    (133, 768, 768, 4, st.STREAM_K_CONFIG, False, True),  # 133 scales for 136 rows (bounded)
 ])
 def test_stream_k_in_interpreter_matches_reference(m, n, k, num_sms, config, with_addend,
                                                     with_rows):
@@ -423,14 +421,17 @@ def test_stream_k_lowers_at_characters_57b_shapes():
     """Three tilings (the default's TMA add, the float32 merge, 128 x 128 tiles), the four
     tp = 2 projections, 60 layers: lowered for CUDA within the shared memory (4 stages of
     128 x 256 tiles fit, the scale being a scalar; 5 do not), no weight slice."""
-    for config in (st.STREAM_K_CONFIG, st.STREAM_K_F32_CONFIG,
-                   st.Config(stream_k=True, tile_n=64, stages=4)):
-        for n, k in ((13824, 9216), (9216, 4608), (16128, 9216), (9216, 16128)):
+    # (Shared memory depends on the tiling, not on N or K: the other tilings at one shape.)
+    for config, shapes in ((st.STREAM_K_CONFIG, ((13824, 9216), (9216, 4608), (16128, 9216),
+                                                 (9216, 16128))),
+                           (st.STREAM_K_F32_CONFIG, ((9216, 4608),)),
+                           (st.Config(stream_k=True, tile_n=64, stages=4), ((16128, 9216),))):
+        for n, k in shapes:
             text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, config=config)
             assert "fp8_gemm_stream_k" in text and _weight_slices(text) == []
-    # Per-row scales (512 bytes of shared memory more) at the tp = 4 shapes, the narrow
-    # tiling at MLP-up's N = 8064 among them: they still fit, and reach the kernel.
-    for n, k in ((6912, 9216), (9216, 2304), (8064, 9216), (9216, 8064)):
+    # Per-row scales (512 bytes of shared memory more) at two tp = 4 shapes, the narrow
+    # tiling at MLP-up's N = 8064 one of them: they still fit, and reach the kernel.
+    for n, k in ((9216, 2304), (8064, 9216)):
         text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, rows=True)
         call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
         assert len(call) == 1 and "tensor<757xf32>" in call[0].rsplit(":", 1)[-1].split("->")[0]
