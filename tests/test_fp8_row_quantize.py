@@ -188,3 +188,35 @@ def test_kernel_on_gpu_matches_reference(m, d):
     ref = np.asarray(modulated_norm(x, shift, scale, EPS), np.float64)
     for r in (0, m // 2, m - 1):
         assert np.linalg.norm(deq[r] - ref[r]) / np.linalg.norm(ref[r]) < 5e-2, (seed, r)
+
+
+def test_engine_step_with_the_kernel_matches_xla(monkeypatch):
+    """The engine's input_quant='pallas' path, prefill and steps at tp=2 (the kernel under
+    the interpreter in place of the GPU, inside the step's shard_map): the same latents as
+    XLA's per-row quantization, to FP8 rounding (the kernel rounds the norm to bf16 as the
+    program says; XLA's CPU code does too, so they agree closely)."""
+    from characters_jax.config import load_config
+    from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.engine.step import EngineOptions
+
+    cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16",
+                                             "activation_scale": "row"})
+
+    def run(input_quant):
+        gen = DiTGenerator(cfg, tp=2, options=EngineOptions(input_quant=input_quant))
+        assert gen.engine.input_quant == input_quant
+        rs = np.random.RandomState(0)
+        gen.start_session(rs.randn(cfg.video.grid_h, cfg.video.grid_w,
+                                   cfg.model.latent_channels).astype(np.float32), list(b"hi"), seed=1)
+        audio = rs.randn(3, cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)
+        return np.stack([np.asarray(gen.step(jnp.asarray(a, jnp.float32))) for a in audio])
+
+    xla = run("xla")
+    monkeypatch.setattr(rq, "is_supported", lambda: True)
+    real_pallas = rq._pallas
+    monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real_pallas(*a, **{**k, "interpret": True}))
+    fused = run("pallas")
+    assert np.isfinite(fused).all()
+    diff = np.linalg.norm(fused - xla) / np.linalg.norm(xla)
+    print(f"kernel vs XLA block input: {diff:.2e}")
+    assert diff < 1e-3
