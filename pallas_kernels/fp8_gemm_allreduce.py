@@ -526,7 +526,7 @@ def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, n
               row_scale=None):
     """The stream-K kernel with the peer exchange: (own [Mx, N], received [tp-1, Mx, N] or
     None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer;
-    row_scale None or [Mx] float32."""
+    row_scale None or [R] float32, R <= Mx (the real rows' scales)."""
     from pallas_kernels import fp8_gemm_stream_k
 
     if layer is None:  # one weight: a stack of one (a reshape, no copy)

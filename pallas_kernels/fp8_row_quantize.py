@@ -14,9 +14,10 @@ backend, which jax 0.11 marks deprecated in favour of Mosaic GPU); it writes
 the e4m3 values for ``rows_out`` rows (rows from M on are zero: the pad costs nothing) and
 the row's scale (0 for the padding rows, which the stacked GEMM then scales to 0).
 
-The arithmetic is the model's, in the same order and dtypes (``reference``): the norm in
+The arithmetic is the model's, in the same order and dtypes: ``reference`` is the model's
+own ``modulated_norm`` then ``fp8_linear.quantize_activation(per_row=True)`` (the norm in
 float32 rounded to x.dtype, the modulation in float32 rounded to x.dtype, the row's
-absolute maximum, scale = max(amax, 1e-12) / 448, values = clip(h * (1 / scale)) -> e4m3.
+absolute maximum, scale = max(amax, 1e-12) / 448, values = clip(h * (1 / scale)) -> e4m3).
 
 Shapes and dtypes:
   x      [M, D]  bfloat16 (or float32)
@@ -31,9 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
-TINY = 1e-12  # keeps an all-zero row's scale finite (as fp8_linear)
+from characters_jax.parallel.fp8_linear import AMAX_FLOOR, FP8_DTYPE as FP8, FP8_MAX
+
 IMPLS = ("auto", "pallas", "reference", "interpret")
 KERNEL_NAME = "fp8_row_quantize"
 
@@ -48,20 +48,15 @@ def is_supported() -> bool:
         return False
 
 
-def modulated_norm(x, shift, scale, eps: float):
-    """h = rms_norm(x) * (1 + scale) + shift, as the model computes it: [M, D] in x.dtype."""
-    xf = x.astype(jnp.float32)
-    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return (normed.astype(jnp.float32) * (1.0 + scale) + shift).astype(x.dtype)
-
-
 def reference(x, shift, scale, *, eps: float, rows_out: int | None = None):
-    """Plain jnp: (values [rows_out, D] e4m3, row_scale [rows_out] f32), rows past M zero."""
+    """The model's math: (values [rows_out, D] e4m3, row_scale [rows_out] f32), rows past M
+    zero."""
+    from characters_jax.model.dit import modulated_norm
+    from characters_jax.parallel.fp8_linear import quantize_activation
+
     m = x.shape[0]
     rows_out = rows_out or m
-    h = modulated_norm(x, shift, scale, eps).astype(jnp.float32)
-    s = jnp.maximum(jnp.max(jnp.abs(h), axis=-1), TINY) / FP8_MAX
-    q = jnp.clip(h * (1.0 / s)[:, None], -FP8_MAX, FP8_MAX).astype(FP8)
+    q, s = quantize_activation(modulated_norm(x, shift, scale, eps), per_row=True)
     pad = rows_out - m
     return jnp.pad(q, ((0, pad), (0, 0))), jnp.pad(s, (0, pad))
 
@@ -84,7 +79,7 @@ def _kernel(x_ref, shift_ref, scale_ref, q_ref, s_ref, *, m: int, d: int, block:
     gain = plt.load(scale_ref.at[cols], mask=inside, other=0.0)
     h = (normed * (1.0 + gain) + shift).astype(x.dtype).astype(jnp.float32)
     h = jnp.where(inside & valid, h, 0.0)
-    s = jnp.maximum(jnp.max(jnp.abs(h)), TINY) / FP8_MAX
+    s = jnp.maximum(jnp.max(jnp.abs(h)), AMAX_FLOOR) / FP8_MAX
     q = jnp.clip(h * (1.0 / s), -FP8_MAX, FP8_MAX).astype(FP8)
     plt.store(q_ref.at[row, cols], q, mask=inside)
     s_ref[row] = jnp.where(valid, s, 0.0)

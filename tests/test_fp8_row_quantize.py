@@ -1,6 +1,6 @@
 """The fused norm + modulation + per-row FP8 quantization: kernel (interpreter on CPU, GPU)
-against its reference, the reference against the model's own math, the CUDA lowering, and
-the block and engine wiring."""
+against its reference (the model's own math), the reference against a float64 emulation,
+the CUDA lowering, and the block and engine wiring."""
 
 import os
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from characters_jax.model.dit import modulated_norm
-from characters_jax.parallel.fp8_linear import linear, quantize
+from characters_jax.parallel.fp8_linear import linear
 from pallas_kernels import fp8_row_quantize as rq
 
 EPS = 1e-6
@@ -28,16 +28,6 @@ def _inputs(seed, m, d, dtype=jnp.bfloat16):
     x = jax.random.normal(kx, (m, d)) * jnp.logspace(-3, 1, m)[:, None]
     return (x.astype(dtype), jax.random.normal(ks, (d,)) * 0.1,
             jax.random.normal(kg, (d,)) * 0.1)
-
-
-def test_reference_is_the_models_math():
-    """The reference equals modulated_norm then fp8_linear's per-row quantization."""
-    x, shift, scale = _inputs(_seed(), 29, 96)
-    q, s = rq.reference(x, shift, scale, eps=EPS, rows_out=32)
-    want = quantize(modulated_norm(x, shift, scale, EPS), "row")
-    np.testing.assert_array_equal(np.asarray(q[:29], np.float32), np.asarray(want.values, np.float32))
-    np.testing.assert_array_equal(np.asarray(s[:29]), np.asarray(want.scale))
-    assert not np.asarray(q[29:], np.float32).any() and not np.asarray(s[29:]).any()
 
 
 @pytest.mark.parametrize("m,d,rows_out", [(37, 200, 40), (16, 128, 16)])
@@ -145,7 +135,7 @@ def _host_emulation(x, shift, scale, eps=EPS):
     normed = (xf * rstd).astype(bf16).astype(np.float64)
     h = (normed * (1.0 + np.asarray(scale, np.float64)) + np.asarray(shift, np.float64))
     h = h.astype(bf16).astype(np.float64)
-    s = np.maximum(np.abs(h).max(-1), rq.TINY) / rq.FP8_MAX
+    s = np.maximum(np.abs(h).max(-1), rq.AMAX_FLOOR) / rq.FP8_MAX
     q = np.clip(h / s[:, None], -rq.FP8_MAX, rq.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     return q.astype(np.float32), s
 

@@ -249,6 +249,14 @@ class Engine:
                 return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
                                                   act_scale=self.cfg.model.activation_scale)
 
+        block_input = None
+        if self.input_quant == "pallas":
+            def block_input(x, shift, scale, eps):
+                # Rows padded to the stacked GEMM's multiple of 8 by the kernel itself.
+                values, row_scale = fp8_row_quantize.norm_modulate_quantize(
+                    x, shift, scale, eps=eps, rows_out=-(-x.shape[0] // 8) * 8, impl="pallas")
+                return Fp8Activation(values, row_scale)
+
         def block_fn(block, layer, x, shared_mod, cache):
             def attend(q, k, v):
                 c = cache
@@ -265,14 +273,6 @@ class Engine:
                 return o, c
 
             return block(x, shared_mod, attend, reduce, layer=layer, block_input=block_input)
-
-        block_input = None
-        if self.input_quant == "pallas":
-            def block_input(x, shift, scale, eps):
-                # Rows padded to the stacked GEMM's multiple of 8 by the kernel itself.
-                values, row_scale = fp8_row_quantize.norm_modulate_quantize(
-                    x, shift, scale, eps=eps, rows_out=-(-x.shape[0] // 8) * 8, impl="pallas")
-                return Fp8Activation(values, row_scale)
 
         return block_fn
 

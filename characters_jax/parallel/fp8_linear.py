@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
-_TINY = 1e-12  # keeps the scale of an all-zero tensor finite
+AMAX_FLOOR = 1e-12  # keeps the scale of an all-zero tensor (or row) finite
 # How activations are scaled for FP8: one scale per tensor, or one per row (token).
 ACT_SCALES = ("tensor", "row")
 
@@ -137,7 +137,7 @@ def check_act_scale(act_scale: str) -> str:
 
 
 def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    return jnp.maximum(amax.astype(jnp.float32), _TINY) / FP8_MAX
+    return jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / FP8_MAX
 
 
 def _to_fp8(x: jax.Array, inv_scale: jax.Array) -> jax.Array:

@@ -162,13 +162,11 @@ def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
     return acc
 
 
-def _pad_activation(xq: Fp8Activation, rows: int, pad_scales: bool = True) -> Fp8Activation:
-    """Zero rows appended to the values up to ``rows``, and to per-row scales unless
-    pad_scales=False (the stacked kernel bounds its copy of them: no pad kernel)."""
-    scale = xq.scale
-    if pad_scales and xq.per_row and scale.shape[0] != rows:
-        scale = jnp.pad(scale, (0, rows - scale.shape[0]))
-    return Fp8Activation(_pad_rows(xq.values, rows), scale)
+def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
+    """Zero rows appended to the values up to ``rows``; per-row scales stay those of the real
+    rows (``Fp8Activation.row_scales`` pads them where needed; the stacked kernel bounds its
+    copy of them, so no pad kernel runs)."""
+    return Fp8Activation(_pad_rows(xq.values, rows), xq.scale)
 
 
 def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
@@ -182,8 +180,7 @@ def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax
     if kernel:
         # Quantized first, then padded: the FP8 pad fuses into the quantization (a bf16 pad
         # in front of the amax is a copy: ~10 ms per step at tp=1, H200).
-        pairs = [(_pad_activation(quantize(x, act_scale), mp, pad_scales=False), w)
-                 for x, w in pairs]
+        pairs = [(_pad_activation(quantize(x, act_scale), mp), w) for x, w in pairs]
     elif any(isinstance(w, Fp8Weight) for _, w in pairs):
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
     else:
@@ -232,7 +229,7 @@ def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) ->
     for x, w in pairs:
         if isinstance(w, Fp8Weight):
             xq = _pad_activation(quantize(x, act_scale), mc * tp)
-            prepared.append((xq.values, w.values, xq.scale if xq.per_row else None,
+            prepared.append((xq.values, w.values, xq.row_scales() if xq.per_row else None,
                              w.scale if xq.per_row else xq.scale * w.scale))
         else:
             prepared.append((_pad_rows(x, mc * tp), w.astype(x.dtype), None, None))
