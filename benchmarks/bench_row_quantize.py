@@ -1,13 +1,18 @@
-"""The block input's norm + modulation + FP8 quantization at characters-57b's shape
-(757 x 9216 bf16 -> 760 rows of e4m3): the fused Pallas kernel (``--warps`` variants)
-against XLA's fusions of the same per-row math and of the per-tensor math.
+"""The per-row FP8 quantization kernels (``pallas_kernels.fp8_row_quantize``) at
+characters-57b's shapes, each ``--layouts`` variant against XLA's fusions of the same math:
+
+  norm  the block input, 757 x 9216 bf16 (every tp) -> 760 rows of e4m3;
+  gelu  the MLP hidden from up's 760-row output: 8064 (tp=4), 10752 (tp=3), 16128 (tp=2);
+  none  the attention output, 757 x 2304 (tp=4);
+and, for the block input, XLA's per-tensor quantization.
 
 Each variant runs 60 times inside one jitted ``lax.scan`` (as the block scan does), its
 output carried to the next iteration through an optimization barrier with the input, so
 every iteration's values are written; per call = scan time / 60, median of ``--repeats``
-(host clock around ``block_until_ready``, after a warm-up call).
+(host clock around ``block_until_ready``, after a warm-up call), two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
+Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk).
 """
 
 from __future__ import annotations
@@ -27,31 +32,50 @@ from characters_jax.model.dit import modulated_norm
 from characters_jax.parallel.fp8_linear import quantize
 from pallas_kernels import fp8_row_quantize as rq
 
-M, D, ROWS, LAYERS, EPS = 757, 9216, 760, 60, 1e-6
+M, ROWS, LAYERS, EPS = 757, 760, 60, 1e-6
+# (prologue, D, rows of the input): the kernels' shapes in the model.
+CASES = (("norm", 9216, M), ("gelu", 8064, ROWS), ("gelu", 10752, ROWS), ("gelu", 16128, ROWS),
+         ("none", 2304, M))
+DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x4", "2x1024x8", "2x2048x8",
+                   "4x1024x8", "4x512x4")
 
 
-def variants(warps):
-    out = {f"pallas_w{w}": (lambda x, a, b, w=w: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=ROWS, impl="pallas", num_warps=w)) for w in warps}
+def parse_layout(text: str) -> rq.Layout:
+    rows, chunk, warps = text.split("x")
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps))
 
-    out["xla_row"] = lambda x, a, b: rq.reference(x, a, b, eps=EPS, rows_out=ROWS)
 
-    def xla_tensor(x, a, b):
-        q = quantize(modulated_norm(x, a, b, EPS), "tensor")
-        return jnp.pad(q.values, ((0, ROWS - M), (0, 0))), q.scale
-    out["xla_tensor"] = xla_tensor
+def variants(prologue, layouts):
+    def kernel(layout):
+        return lambda x, a, b: rq.row_quantize(
+            x, *((a, b) if prologue == "norm" else ()), prologue=prologue, eps=EPS, rows=M,
+            rows_out=ROWS, impl="pallas", layout=layout)
+
+    out = {name: kernel(parse_layout(name)) for name in layouts}
+    out["xla_row"] = lambda x, a, b: rq.reference(
+        x, *((a, b) if prologue == "norm" else ()), eps=EPS, rows=M, rows_out=ROWS,
+        prologue=prologue)
+    if prologue == "norm":
+        def xla_tensor(x, a, b):
+            q = quantize(modulated_norm(x, a, b, EPS), "tensor")
+            return jnp.pad(q.values, ((0, ROWS - M), (0, 0))), q.scale
+        out["xla_tensor"] = xla_tensor
     return out
 
 
-def time_variant(fn, x, a, b, repeats):
+def scanned(fn, d):
+    """fn run LAYERS times in one jitted lax.scan (compiled once, timed each round)."""
     def scan(x, a, b):
         def body(carry, i):
             xi, _ = lax.optimization_barrier((x, carry))
             q, s = fn(xi, a, b)
             return (q, s.reshape(-1)[:1]), None
-        init = (jnp.zeros((ROWS, D), rq.FP8), jnp.zeros((1,), jnp.float32))
+        init = (jnp.zeros((ROWS, d), rq.FP8), jnp.zeros((1,), jnp.float32))
         return lax.scan(body, init, jnp.arange(LAYERS))[0]
-    f = jax.jit(scan)
+    return jax.jit(scan)
+
+
+def time_variant(f, x, a, b, repeats):
     jax.block_until_ready(f(x, a, b))
     ts = []
     for _ in range(repeats):
@@ -64,28 +88,39 @@ def time_variant(fn, x, a, b, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--warps", type=int, nargs="*", default=[4, 8, 16])
+    ap.add_argument("--layouts", nargs="*", default=list(DEFAULT_LAYOUTS))
+    ap.add_argument("--cases", nargs="*", default=[f"{p}:{d}" for p, d, _ in CASES],
+                    help="PROLOGUE:D of CASES")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    kx, ka, kb = jax.random.split(jax.random.key(int(time.time()) % 2**31), 3)
-    x = jax.random.normal(kx, (M, D)).astype(jnp.bfloat16)
-    a, b = jax.random.normal(ka, (D,)) * 0.1, jax.random.normal(kb, (D,)) * 0.1
-    res = {"device": str(jax.devices()[0]), "m": M, "d": D, "layers": LAYERS, "us": {}}
-    for rnd in range(2):  # two rounds, interleaved: drift shows as a difference
-        for name, fn in variants(args.warps).items():
-            try:
-                us = time_variant(fn, x, a, b, args.repeats)
-            except Exception as e:  # noqa: BLE001
-                us = float("nan")
-                print(f"{name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-            res["us"].setdefault(name, []).append(us)
+    cases = [c for c in CASES if f"{c[0]}:{c[1]}" in args.cases]
+    key = jax.random.key(int(time.time()) % 2**31)
+    res = {"device": str(jax.devices()[0]), "m": M, "rows_out": ROWS, "layers": LAYERS,
+           "us": {}}
+    for prologue, d, rows_in in cases:
+        kx, ka, kb, key = jax.random.split(key, 4)
+        x = (jax.random.normal(kx, (rows_in, d)) * 2).astype(jnp.bfloat16)
+        a, b = jax.random.normal(ka, (d,)) * 0.1, jax.random.normal(kb, (d,)) * 0.1
+        case = f"{prologue}:{d}"
+        res["us"][case] = {}
+        fns = {name: scanned(fn, d) for name, fn in variants(prologue, args.layouts).items()}
+        for _ in range(2):  # two rounds, interleaved: drift shows as a difference
+            for name, f in fns.items():
+                try:
+                    us = time_variant(f, x, a, b, args.repeats)
+                except Exception as e:  # noqa: BLE001
+                    us = float("nan")
+                    print(f"{case} {name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                res["us"][case].setdefault(name, []).append(us)
+        print(f"{case} done", file=sys.stderr, flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "row_quantize.json"), "w") as f:
         json.dump(res, f, indent=1)
-    base = min(res["us"]["xla_row"])
-    print(f"us per call, M={M} D={D} (two rounds), vs xla_row")
-    for name, us in res["us"].items():
-        print(f"{name:12s} {us[0]:8.1f} {us[1]:8.1f}   x{min(us) / base:.2f}")
+    print(f"us per call, {M} rows -> {ROWS} (two rounds), x = / xla_row")
+    for case, table in res["us"].items():
+        base = min(table["xla_row"])
+        for name, us in table.items():
+            print(f"{case:12s} {name:12s} {us[0]:8.1f} {us[1]:8.1f}   x{min(us) / base:.2f}")
 
 
 if __name__ == "__main__":

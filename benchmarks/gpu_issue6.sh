@@ -17,10 +17,13 @@
 #        ring_qik     as ring_fused, attention 'pallas-qik' (Q quantized in the kernel; not in
 #                     the default VARIANTS)
 #        ring_fused_row as ring_fused, FP8 activations quantized per row (--activation-scale
-#                     row; the block input by the fused Pallas kernel, --input-quant auto; not
+#                     row; the GEMMs' inputs by the fused Pallas kernels, --input-quant auto; not
 #                     in the default VARIANTS)
-#        ring_fused_row_xla as ring_fused_row, the block input quantized by XLA (--input-quant
+#        ring_fused_row_xla as ring_fused_row, the GEMMs' inputs quantized by XLA (--input-quant
 #                     xla; not in the default VARIANTS)
+#        ring_fused_row_norm as ring_fused_row, only the block input by its Pallas kernel, the
+#                     MLP hidden and attention output by XLA (--input-quant pallas-norm; not in
+#                     the default VARIANTS)
 #        ring_fused_tensor as ring_fused, FP8 activations quantized per tensor (--activation-scale
 #                     tensor; characters-57b's config says 'row'; not in the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
@@ -108,6 +111,7 @@ for v in $VARIANTS; do
     ring_fused_row) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row) ;;
     ring_fused_tensor) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale tensor) ;;
     ring_fused_row_xla) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant xla) ;;
+    ring_fused_row_norm) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant pallas-norm) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" "${V_LIMIT_S:-110}" "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \

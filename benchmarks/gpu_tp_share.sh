@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU's share of a tensor-parallel characters-57b, measured on ONE GPU (nvidia-h200):
-#   tests  the stacked FP8 GEMM's GPU tests (tests/test_fp8_gemm_stacked.py)
+#   tests  the GPU tests of the stacked FP8 GEMM and the row-quantize kernels
+#          (tests/test_fp8_gemm_stacked.py, tests/test_fp8_row_quantize.py; TESTS_K: a -k filter)
+#   quant  benchmarks/bench_row_quantize.py: the row-quantize kernels' layouts against XLA
 #   gemm   benchmarks/bench_gemm_stacked.py at the per-GPU shapes of tp = N for each N in
 #          SHARES, against torch._scaled_mm in the same process
 #   step   the step of a model cut to one GPU's share of tp = N (num_heads / N, mlp_dim / N;
@@ -9,7 +11,7 @@
 #          (at tp = 1 the block's o and MLP-down GEMMs chain through the addend instead of
 #          running the fused GEMM + all-reduce)
 # Run from the repository root:   bash benchmarks/gpu_tp_share.sh
-# Knobs: PARTS ("tests gemm step"), SHARES ("4 3"), TREES (". ": repository trees the step
+# Knobs: PARTS ("tests gemm step"; also "quant"), QUANT_LIMIT_S (240), SHARES ("4 3"), TREES (". ": repository trees the step
 # runs from, in order, e.g. ". .ab/old ." for an A/B/A comparison of two code versions in one
 # call; each needs benchmarks/gpu_issue6.sh), STEPS (10), WARMUP (2), V_LIMIT_S (150),
 # GEMM_BUDGET_S (100), STEP_VARIANTS (ring_fused: gpu_issue6.sh's variants), BASE_CONFIG (configs/characters-57b.toml), DEADLINE_S (560).
@@ -57,8 +59,17 @@ for part in $PARTS; do
   case $part in
     tests)
       t=$(left); (( t > 120 )) && t=120
-      ( PYTHONPATH=. timeout "$t" python3 -m pytest -q -m gpu tests/test_fp8_gemm_stacked.py > "$OUT/tests.log" 2>&1 )
+      ( PYTHONPATH=. timeout "$t" python3 -m pytest -q -m gpu tests/test_fp8_gemm_stacked.py \
+          tests/test_fp8_row_quantize.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1 )
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$SUMMARY" ;;
+    quant)
+      t=$(left); (( t > ${QUANT_LIMIT_S:-240} )) && t=${QUANT_LIMIT_S:-240}
+      PYTHONPATH=. timeout "$t" python3 benchmarks/bench_row_quantize.py --out "$OUT" \
+        > "$OUT/quant.log" 2>&1
+      echo "quant: rc=$?" | tee -a "$SUMMARY"
+      sed -n '/^us per call/,$p' "$OUT/quant.log" | tee -a "$SUMMARY"
+      grep -v "done$" "$OUT/quant.log" | grep -v "^us per call" | grep -vi deprecat | head -20 >> "$SUMMARY"
+      rm -f "$OUT/quant.log" ;;
     gemm)
       for n in $SHARES; do
         t=$(left); (( t < 60 )) && { echo "gemm tp=$n: skipped" | tee -a "$SUMMARY"; continue; }

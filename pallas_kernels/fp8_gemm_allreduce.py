@@ -188,7 +188,7 @@ def smem_transforms(config: Config, out_dtype):
 
 
 def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None,
-            layer=None, num_sms=None, interpret=False):
+            layer=None, num_sms=None, interpret=False, row_scale=None):
     """Launches the Mosaic GPU kernel.
 
     Operands (per device): x [Mx, K] e4m3 (Mx = M, or M rounded up as the caller padded it);
@@ -205,6 +205,10 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
       With tp = 1, M need not be a multiple of tile_m (it must be one of 8, for the TMA
         tiling): the last tile's rows past M are zero on load and dropped on store.
       num_sms: the persistent grid size (default: the device's SM count).
+      row_scale: None, or [R] float32 (R <= Mx, at least one tile's rows or all of Mx): x's
+        per-row scales; each tile's epilogue multiplies its row m by row_scale[m] (with the
+        scalar ``scale``). A compute warpgroup copies its tile's tile_m scales to shared
+        memory by TMA before the main loop (bounded: rows from R on read as 0).
       interpret: run under the Pallas interpreter (CPU tests; tp = 1 only: the
         interpreter has no semaphores or remote refs).
     """
@@ -226,6 +230,11 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         raise ValueError(f"mma_in_flight must be 0 or 1 and below stages, got {c}")
     if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
+    has_rows = row_scale is not None
+    if has_rows and not (row_scale.ndim == 1
+                         and min(c.tile_m, x.shape[0]) <= row_scale.shape[0] <= x.shape[0]):
+        raise ValueError(f"row_scale must be [R], {min(c.tile_m, x.shape[0])} <= R <= "
+                         f"{x.shape[0]}, got {row_scale.shape}")
     if addend is not None and (addend.shape != (x.shape[0], n)
                              or jnp.dtype(addend.dtype) != jnp.dtype(out_dtype)):
         raise ValueError(f"addend must be [{x.shape[0]}, {n}] {jnp.dtype(out_dtype).name}, got "
@@ -239,10 +248,12 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
     entry_sync = c.entry_sync and tp > 1
 
     def body(x_ref, w_ref, scale_ref, *refs):
+        refs = list(refs)
         if stacked:
             layer_ref, *refs = refs
             # Clamped like lax.dynamic_slice; a [N, K] view of the stack: no copy.
             w_ref = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), w.shape[0] - 1)]
+        rows_ref = refs.pop(0) if has_rows else None
         if has_addend:
             addend_ref, *refs = refs
         out_ref, *recv = refs
@@ -284,9 +295,12 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
             barriers=plgpu.Barrier(num_barriers=2),  # the addend's sub-tile per warpgroup
             # mma_in_flight: both compute warpgroups are done with a tile's stages.
             **({"tile_done": plgpu.Barrier(num_arrivals=2)} if c.mma_in_flight else {}),
+            # row_scale: each compute warpgroup's copy of its tile's rows' scales.
+            **({"rows_smem": plgpu.SMEM((2, c.tile_m), jnp.float32),
+                "rows_bar": plgpu.Barrier(num_barriers=2)} if has_rows else {}),
             collective_axes="wg",
         )
-        def _scope(allocs, out_smem, barriers, tile_done=None):
+        def _scope(allocs, out_smem, barriers, tile_done=None, rows_smem=None, rows_bar=None):
             # The combined dequant scale, a scalar read once (a 16 KB shared-memory tile
             # before, which left no room for a 4th stage of 128 x 256 tiles).
             scale_val = scale_ref[0]
@@ -332,7 +346,12 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                     @functools.partial(pl.run_scoped,
                                        acc_ref=plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
                     def _acc(acc_ref):
+                        if has_rows:  # lands while the main loop runs
+                            plgpu.copy_gmem_to_smem(rows_ref.at[m_sl], rows_smem.at[wg],
+                                                    rows_bar.at[wg])
                         eval_pipeline(acc_ref)
+                        if has_rows:
+                            plgpu.barrier_wait(rows_bar.at[wg])
                         if c.mma_in_flight:
                             plgpu.wgmma_wait(0)  # the tile's last wgmma read its stage
                             plgpu.barrier_arrive(tile_done)
@@ -353,6 +372,9 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                             # The slot's previous copies must have left shared memory.
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                             y = acc[e_m, e_n] * scale_val
+                            if has_rows:
+                                rs = rows_smem[wg, pl.ds(em * c.epi_m, c.epi_m)]
+                                y = y * lax.broadcast_in_dim(rs, y.shape, (0,))
                             if has_addend:
                                 plgpu.copy_gmem_to_smem(
                                     addend_ref.at[dst].at[e_m, e_n], out_smem.at[wg, slot],
@@ -413,6 +435,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
     if tp > 1 and not tma_add:
         out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
     operands = ((x, w, scale) + ((layer,) if stacked else ())
+                + ((row_scale.astype(jnp.float32),) if has_rows else ())
                 + ((addend,) if has_addend else ()))
     outs = plgpu.kernel(
         body,
@@ -446,8 +469,9 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
 
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
-        FP8 activations whose scale is given as ``x_scale``: [] float32, or [M] float32
-        per row (the stream-K schedule only: ``Config(stream_k=True)``).
+        FP8 activations whose scale is given as ``x_scale``: [] float32, or [R] float32
+        per row (R <= M: rows from R on are zero padding; not with the data-parallel
+        ``reduce='tma_add'``).
       w_fp8: [N, K] float8_e4m3fn weight shard, or a stack [L, N, K] of them with
         ``layer`` ([] int32, may be traced; clamped like ``lax.dynamic_slice``): the kernel
         then reads block ``layer`` of the stack in place (no [N, K] copy).
@@ -472,10 +496,11 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         x, x_scale = quantize_activation(x)
     rows = None
     if jnp.ndim(x_scale) == 1:
-        if x_scale.shape != (x.shape[0],):
-            raise ValueError(f"per-row x_scale must be [M] = [{x.shape[0]}], got {x_scale.shape}")
-        if not config.stream_k:
-            raise NotImplementedError("per-row x scales: the stream-K schedule only")
+        if not 1 <= x_scale.shape[0] <= x.shape[0]:
+            raise ValueError(f"per-row x_scale must be [R], R <= M = {x.shape[0]}, got "
+                             f"{x_scale.shape}")
+        if config.reduce == "tma_add" and not config.stream_k:
+            raise NotImplementedError("per-row x scales: not with the in-kernel TMA-add sum")
         rows, x_scale = x_scale.astype(jnp.float32), jnp.float32(1)
     elif jnp.ndim(x_scale) != 0:
         raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
@@ -483,8 +508,10 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
+        if rows is not None:
+            rows = jnp.pad(rows, (0, x.shape[0] - rows.shape[0]))[:, None]
         return reference(x, _select_layer(w_fp8, layer),
-                         scale if rows is None else rows[:, None] * scale, addend,
+                         scale if rows is None else rows * scale, addend,
                          axis_name=axis_name, out_dtype=out_dtype)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
@@ -505,7 +532,9 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, **kw)
     else:
         x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
-        own, received = _kernel(x, w_fp8, scale1, addend, **kw)
+        own, received = _kernel(x, w_fp8, scale1, addend,
+                                row_scale=None if rows is None else pad_row_scales(
+                                    rows, x.shape[0], config.tile_m), **kw)
     total = own.astype(jnp.float32)
     if received is not None:
         total = total + received.astype(jnp.float32).sum(0)
@@ -520,6 +549,14 @@ def _pad_rows(x, addend, multiple: int, out_dtype):
     if addend is not None:
         addend = jnp.pad(addend.astype(out_dtype), pad)
     return x, addend
+
+
+def pad_row_scales(row_scale, rows: int, tile_m: int):
+    """Per-row scales [R] for x's ``rows`` rows as the kernels' bounded TMA copy of tile_m
+    of them takes them: as they are when R >= min(tile_m, rows) (a tile's rows past R read
+    zeros), else zero-padded to ``rows`` (a copy larger than its whole array is refused)."""
+    r = row_scale.shape[0]
+    return row_scale if r >= min(tile_m, rows) else jnp.pad(row_scale, (0, rows - r))
 
 
 def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms,

@@ -32,8 +32,8 @@ float32 outputs and an XLA add.  The kernel takes the addend in out_dtype (it is
 the reference adds it in float32.
 
 Row scales: ``row_scale`` [R] float32, R <= M (optional; x quantized per row) multiplies
-row m of the product with ``scale`` in the epilogue, before the addend (stream-K schedule
-only); rows from R on are scaled by 0 (a caller that padded x's rows passes the scales of
+row m of the product with ``scale`` in the epilogue, before the addend (both schedules);
+rows from R on are scaled by 0 (a caller that padded x's rows passes the scales of
 the real rows: the kernel's copy is bounded there, so no pad of the scales is needed).
 
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
@@ -181,13 +181,9 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     _, n, _ = w_stacked.shape
     if not fits(n, k, config):
         raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
-    if row_scale is not None and not config.stream_k:
-        raise NotImplementedError("row scales: the stream-K schedule only")
     m8 = -(-m // 8) * 8
     if row_scale is not None:
-        row_scale = row_scale.astype(jnp.float32)
-        if row_scale.shape[0] < min(config.tile_m, m8):  # shorter than one tile's copy
-            row_scale = jnp.pad(row_scale, (0, m8 - row_scale.shape[0]))
+        row_scale = _fa.pad_row_scales(row_scale.astype(jnp.float32), m8, config.tile_m)
     x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
     if addend is not None:
         addend = addend.astype(out_dtype)
@@ -202,7 +198,8 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     else:
         out, _ = _fa._kernel(
             x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
-            config=config, layer=layer_arr, num_sms=sms, interpret=interpret)
+            config=config, layer=layer_arr, num_sms=sms, interpret=interpret,
+            row_scale=row_scale)
     return out if m8 == m else out[:m]
 
 
@@ -214,7 +211,7 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
     scale: [] float32 (x_scale * w_scale, applied in the epilogue);
     row_scale: None or [R] float32 (R <= M), x's per-row scales (then ``scale`` is w's),
-    applied with it; rows from R on are scaled by 0 (stream-K configs only);
+    applied with it; rows from R on are scaled by 0;
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
     float32 before the rounding to out_dtype.
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (* row_scale[:, None])

@@ -1,32 +1,38 @@
-"""RMS norm, modulation and per-row FP8 quantization in one pass (Pallas, Triton), reference.
+"""An activation's last elementwise step and its per-row FP8 quantization in one pass
+(Pallas, Triton), and the reference.
 
-Every parallel block starts with ``h = rms_norm(x) * (1 + scale) + shift`` on the residual
-x [M, D] and, with FP8 weights and per-row activation scales, quantizes h row by row for the
-qkv and MLP-up GEMMs. XLA compiles that into two row-reduction kernels that each read x
-(the norm and the row maximum; the norm again and the quantization) and a third that pads
-the FP8 rows from 757 to the stacked GEMM's multiple of 8: ~49 MB of traffic per block pass
-at d = 9216, against ~21 MB for one read of x and one write of the FP8 values
-(BUILD_NOTES, "Per-row activation scales").
+With FP8 weights and per-row activation scales, every GEMM input is quantized row by row.
+XLA compiles each such chain into two row-reduction kernels that both read the activation
+(the elementwise prologue and the row maximum; the prologue again and the quantization)
+and a third that pads the FP8 rows to the stacked GEMM's multiple of 8 (BUILD_NOTES,
+"Per-row activation scales"). This kernel reads the activation once, keeps each row in
+registers, and writes the e4m3 values for ``rows_out`` rows (rows from M on are zero: the
+pad costs nothing) and one scale per row (0 for the padding rows, which the GEMMs then
+scale to 0). Three prologues (``PROLOGUES``):
 
-This kernel does it in one pass: one program per output row, the whole row in registers
-(``block`` = the next power of two of D lanes, masked), so x is read once (Pallas's Triton
-backend, which jax 0.11 marks deprecated in favour of Mosaic GPU); it writes
-the e4m3 values for ``rows_out`` rows (rows from M on are zero: the pad costs nothing) and
-the row's scale (0 for the padding rows, which the stacked GEMM then scales to 0).
+  'norm'  the block input: h = rms_norm(x) * (1 + scale) + shift (adaLN), the norm rounded
+          to x.dtype, h rounded to x.dtype (the model's ``modulated_norm``);
+  'gelu'  the MLP hidden: h = gelu(y) in float32, rounded to y.dtype (the model's
+          ``mlp_hidden``), read straight from the up GEMM's (row-padded) output;
+  'none'  h = x (e.g. the attention output).
 
-The arithmetic is the model's, in the same order and dtypes: ``reference`` is the model's
-own ``modulated_norm`` then ``fp8_linear.quantize_activation(per_row=True)`` (the norm in
-float32 rounded to x.dtype, the modulation in float32 rounded to x.dtype, the row's
-absolute maximum, scale = max(amax, 1e-12) / 448, values = clip(h * (1 / scale)) -> e4m3).
+then scale = max(amax(h), 1e-12) / 448 and values = clip(h * (1 / scale)) -> e4m3, as
+``fp8_linear.quantize_activation(per_row=True)``. ``reference`` is that model code.
+
+Layout: a program handles ``rows_per_program`` rows; a row is split into chunks of
+``chunk`` lanes (a power of two; the last chunk masked), all loaded up front, so a thread
+holds only its share of the real row, not of the row rounded up to a power of two (9216
+lanes -> 16384 in the first version: 44% of the registers masked, one program per SM).
 
 Shapes and dtypes:
-  x      [M, D]  bfloat16 (or float32)
-  shift  [D]     float32 (adaLN shift), scale [D] float32 (adaLN scale; h uses 1 + scale)
+  x      [Mx, D] bfloat16 (or float32), Mx >= M: rows from M on are not read
+  shift  [D]     float32 (adaLN shift), scale [D] float32 (adaLN scale)  ('norm' only)
   out    (values [rows_out, D] float8_e4m3fn, row_scale [rows_out] float32), rows_out >= M
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,7 +41,36 @@ import jax.numpy as jnp
 from characters_jax.parallel.fp8_linear import AMAX_FLOOR, FP8_DTYPE as FP8, FP8_MAX
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
+PROLOGUES = ("norm", "gelu", "none")
 KERNEL_NAME = "fp8_row_quantize"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the kernel covers the rows: ``rows_per_program`` rows per program (a power of
+    two), each row in chunks of ``chunk`` lanes (a power of two; None: the row's next power
+    of two, one chunk), ``num_warps`` warps per program."""
+
+    rows_per_program: int = 1
+    chunk: int | None = 2048
+    num_warps: int = 8
+
+    def __post_init__(self):
+        for name in ("rows_per_program", "chunk", "num_warps"):
+            v = getattr(self, name)
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ValueError(f"Layout.{name} must be a power of two, got {v}")
+
+    def chunk_for(self, d: int) -> int:
+        from jax.experimental import pallas as pl
+
+        full = pl.next_power_of_2(d)
+        return full if self.chunk is None else min(self.chunk, full)
+
+
+# The default (BUILD_NOTES, "The row-quantize kernel's layout"; the first version was
+# Layout(1, None, 8): 26.0 us a call at 757 x 9216 on an H200).
+DEFAULT_LAYOUT = Layout()
 
 
 def is_supported() -> bool:
@@ -48,89 +83,145 @@ def is_supported() -> bool:
         return False
 
 
-def reference(x, shift, scale, *, eps: float, rows_out: int | None = None):
-    """The model's math: (values [rows_out, D] e4m3, row_scale [rows_out] f32), rows past M
-    zero."""
-    from characters_jax.model.dit import modulated_norm
+def _prologue_ref(prologue: str, x, shift, scale, eps):
+    from characters_jax.model.dit import mlp_hidden, modulated_norm
+
+    if prologue == "norm":
+        return modulated_norm(x, shift, scale, eps)
+    if prologue == "gelu":
+        return mlp_hidden(x)
+    return x
+
+
+def reference(x, shift=None, scale=None, *, eps: float = 0.0, rows: int | None = None,
+              rows_out: int | None = None, prologue: str = "norm"):
+    """The model's math on the first ``rows`` (default all) rows of x: (values [rows_out, D]
+    e4m3, row_scale [rows_out] f32), rows past ``rows`` zero."""
     from characters_jax.parallel.fp8_linear import quantize_activation
 
-    m = x.shape[0]
+    m = rows or x.shape[0]
     rows_out = rows_out or m
-    q, s = quantize_activation(modulated_norm(x, shift, scale, eps), per_row=True)
+    q, s = quantize_activation(_prologue_ref(prologue, x[:m], shift, scale, eps), per_row=True)
     pad = rows_out - m
     return jnp.pad(q, ((0, pad), (0, 0))), jnp.pad(s, (0, pad))
 
 
-def _kernel(x_ref, shift_ref, scale_ref, q_ref, s_ref, *, m: int, d: int, block: int,
-            eps: float):
+def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: int,
+            prologue: str, eps: float):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    row = pl.program_id(0)
-    valid = row < m
-    src = jnp.minimum(row, m - 1)
-    cols = jnp.arange(block)
-    inside = cols < d
-    x = plt.load(x_ref.at[src, cols], mask=inside, other=0.0)
-    xf = x.astype(jnp.float32)
-    rstd = jax.lax.rsqrt(jnp.sum(xf * xf) / d + eps)
-    normed = (xf * rstd).astype(x.dtype).astype(jnp.float32)
-    shift = plt.load(shift_ref.at[cols], mask=inside, other=0.0)
-    gain = plt.load(scale_ref.at[cols], mask=inside, other=0.0)
-    h = (normed * (1.0 + gain) + shift).astype(x.dtype).astype(jnp.float32)
-    h = jnp.where(inside & valid, h, 0.0)
-    s = jnp.maximum(jnp.max(jnp.abs(h)), AMAX_FLOOR) / FP8_MAX
-    q = jnp.clip(h * (1.0 / s), -FP8_MAX, FP8_MAX).astype(FP8)
-    plt.store(q_ref.at[row, cols], q, mask=inside)
-    s_ref[row] = jnp.where(valid, s, 0.0)
+    from characters_jax.model.dit import gelu_tanh
+
+    if prologue == "norm":
+        shift_ref, scale_ref, q_ref, s_ref = refs
+    else:
+        q_ref, s_ref = refs
+    r = layout.rows_per_program
+    r0 = pl.program_id(0) * r
+    row_ids = r0 + jnp.arange(r)
+    valid = row_ids < m  # [r]
+    # (start, lane indices): the last chunk's lanes past D are masked (indices, not slices,
+    # which may not run past the array).
+    chunks = [(c0, c0 + jnp.arange(chunk)) for c0 in range(0, d, chunk)]
+    xs = []
+    for c0, cols in chunks:
+        inside = cols < d
+        mask = valid[:, None] & inside[None, :]
+        xs.append(plt.load(x_ref.at[row_ids[:, None], cols[None, :]], mask=mask, other=0.0))
+    dtype = xs[0].dtype
+    hs = [xc.astype(jnp.float32) for xc in xs]
+    if prologue == "norm":
+        sq = sum(jnp.sum(h * h, axis=1) for h in hs)  # [r]
+        rstd = jax.lax.rsqrt(sq / d + eps)[:, None]
+        out = []
+        for (c0, cols), h in zip(chunks, hs):
+            inside = cols < d
+            shift = plt.load(shift_ref.at[cols], mask=inside, other=0.0)
+            gain = plt.load(scale_ref.at[cols], mask=inside, other=0.0)
+            normed = (h * rstd).astype(dtype).astype(jnp.float32)
+            out.append((normed * (1.0 + gain[None, :]) + shift[None, :])
+                       .astype(dtype).astype(jnp.float32))
+        hs = out
+    elif prologue == "gelu":
+        hs = [gelu_tanh(h).astype(dtype).astype(jnp.float32) for h in hs]
+    # Masked lanes and rows hold 0 (all three prologues keep 0 at 0 but 'norm', whose
+    # shift is loaded as 0 there; rows past M are zeroed here).
+    hs = [jnp.where(valid[:, None] & (cols < d)[None, :], h, 0.0)
+          for (_, cols), h in zip(chunks, hs)]
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h), axis=1) for h in hs])
+    s = jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX  # [r]
+    inv = (1.0 / s)[:, None]
+    stored = row_ids < rows_out
+    for (c0, cols), h in zip(chunks, hs):
+        q = jnp.clip(h * inv, -FP8_MAX, FP8_MAX).astype(FP8)
+        plt.store(q_ref.at[row_ids[:, None], cols[None, :]], q,
+                  mask=stored[:, None] & (cols < d)[None, :])
+    plt.store(s_ref.at[row_ids], jnp.where(valid, s, 0.0), mask=stored)
 
 
-def default_num_warps(d: int) -> int:
-    """Warps per program (one row): the row's power-of-two lanes / 1024, 1 to 8. (At
-    757 x 9216 on an H200, 8 warps took 26.0-26.3 us a call, 16 took 28.7-29.2, 2 and 4
-    26.5-30.8: BUILD_NOTES, "The block input as one kernel".)"""
-    from jax.experimental import pallas as pl
-
-    return min(max(pl.next_power_of_2(d) // 1024, 1), 8)
-
-
-def _pallas(x, shift, scale, *, eps, rows_out, interpret: bool, num_warps: int | None = None):
+def _pallas(x, shift, scale, *, m: int, rows_out: int, prologue: str, eps: float,
+            layout: Layout, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    m, d = x.shape
-    block = pl.next_power_of_2(d)
-    kernel = functools.partial(_kernel, m=m, d=d, block=block, eps=eps)
+    d = x.shape[1]
+    r = layout.rows_per_program
+    kernel = functools.partial(_kernel, m=m, d=d, rows_out=rows_out, layout=layout,
+                               chunk=layout.chunk_for(d), prologue=prologue, eps=eps)
+    operands = (x,) + ((shift.astype(jnp.float32), scale.astype(jnp.float32))
+                       if prologue == "norm" else ())
     return pl.pallas_call(
         kernel,
-        grid=(rows_out,),
+        grid=(pl.cdiv(rows_out, r),),
         out_shape=(jax.ShapeDtypeStruct((rows_out, d), FP8),
                    jax.ShapeDtypeStruct((rows_out,), jnp.float32)),
-        compiler_params=plt.CompilerParams(num_warps=num_warps or default_num_warps(d)),
+        compiler_params=plt.CompilerParams(num_warps=layout.num_warps),
         interpret=interpret,
         name=KERNEL_NAME,
-    )(x, shift.astype(jnp.float32), scale.astype(jnp.float32))
+    )(*operands)
 
 
-def norm_modulate_quantize(x, shift, scale, *, eps: float, rows_out: int | None = None,
-                           impl: str = "auto", num_warps: int | None = None):
-    """x [M, D], shift/scale [D] -> (values [rows_out, D] e4m3, row_scale [rows_out] f32):
-    rows_out (default M) >= M; rows past M are zero with scale 0.
+def row_quantize(x, shift=None, scale=None, *, prologue: str, eps: float = 0.0,
+                 rows: int | None = None, rows_out: int | None = None, impl: str = "auto",
+                 layout: Layout | None = None):
+    """x [Mx, D] -> (values [rows_out, D] e4m3, row_scale [rows_out] f32) of the prologue
+    (module docstring) on x's first ``rows`` rows (default Mx); rows_out (default ``rows``)
+    >= rows, rows past ``rows`` zero with scale 0. shift, scale [D]: 'norm' only.
 
     impl: 'auto' (the Triton kernel on a GPU that has it, else the reference) | 'pallas' |
     'reference' | 'interpret' (the kernel under the Pallas interpreter, CPU).
-    num_warps: warps per program (default ``default_num_warps``)."""
+    layout: the kernel's ``Layout`` (default ``DEFAULT_LAYOUT``)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if x.ndim != 2 or shift.shape != (x.shape[1],) or scale.shape != (x.shape[1],):
-        raise ValueError(f"want x [M, D] and shift, scale [D]; got {x.shape}, {shift.shape}, "
-                         f"{scale.shape}")
-    rows_out = rows_out or x.shape[0]
-    if rows_out < x.shape[0]:
-        raise ValueError(f"rows_out={rows_out} is below M={x.shape[0]}")
+    if prologue not in PROLOGUES:
+        raise ValueError(f"unknown prologue {prologue!r}; expected one of {PROLOGUES}")
+    if x.ndim != 2:
+        raise ValueError(f"want x [M, D]; got {x.shape}")
+    if prologue == "norm":
+        if (shift is None or scale is None or shift.shape != (x.shape[1],)
+                or scale.shape != (x.shape[1],)):
+            raise ValueError(f"the 'norm' prologue wants shift, scale [{x.shape[1]}]; got "
+                             f"{getattr(shift, 'shape', None)}, {getattr(scale, 'shape', None)}")
+    elif shift is not None or scale is not None:
+        raise ValueError(f"shift and scale are for the 'norm' prologue, not {prologue!r}")
+    m = rows or x.shape[0]
+    if not 1 <= m <= x.shape[0]:
+        raise ValueError(f"rows={rows} must be in [1, {x.shape[0]}]")
+    rows_out = rows_out or m
+    if rows_out < m:
+        raise ValueError(f"rows_out={rows_out} is below the rows quantized ({m})")
     if impl == "auto":
         impl = "pallas" if is_supported() else "reference"
     if impl == "reference":
-        return reference(x, shift, scale, eps=eps, rows_out=rows_out)
-    return _pallas(x, shift, scale, eps=eps, rows_out=rows_out, interpret=impl == "interpret",
-                   num_warps=num_warps)
+        return reference(x, shift, scale, eps=eps, rows=m, rows_out=rows_out, prologue=prologue)
+    return _pallas(x, shift, scale, m=m, rows_out=rows_out, prologue=prologue, eps=eps,
+                   layout=layout or DEFAULT_LAYOUT, interpret=impl == "interpret")
+
+
+def norm_modulate_quantize(x, shift, scale, *, eps: float, rows_out: int | None = None,
+                           impl: str = "auto", layout: Layout | None = None):
+    """The block input: x [M, D], shift/scale [D] -> (values [rows_out, D] e4m3, row_scale
+    [rows_out] f32) of ``modulated_norm(x, shift, scale, eps)`` (``row_quantize``, 'norm')."""
+    return row_quantize(x, shift, scale, prologue="norm", eps=eps, rows_out=rows_out,
+                        impl=impl, layout=layout)

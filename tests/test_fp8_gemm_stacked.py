@@ -104,15 +104,27 @@ def test_kernel_in_interpreter_inside_scan():
     # One wgmma left in flight across K steps; 4 tiles on the interpreter's 2 blocks, so
     # each block's second tile waits for its first (Config.mma_in_flight).
     (136, 512, 768, 2, 1, st.Config(mma_in_flight=1)),
+    # Per-row scales in the data-parallel epilogue: a tile's rows' scales copied per tile
+    # (4 tiles on 2 blocks: each block's second tile reloads them), the last M tile's copy
+    # past the 133 real rows' scales bounded (zeros).
+    (136, 1024, 256, 2, 1, (st.TILES_CONFIG, 133)),
+    (40, 384, 256, 2, 0, (st.NARROW_TILES_CONFIG, 37)),  # fewer scales than one tile: padded
 ])
 def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config):
     seed = _seed()
     x8, w8, scale = _operands(seed, m, n, k, layers)
-    fn = jax.jit(lambda x, w, l, s: st.stacked_fp8_matmul(x, w, l, s, impl="interpret",
-                                                          config=config))
-    out = fn(x8, w8, jnp.int32(layer), scale)
+    config, r = config if isinstance(config, tuple) else (config, None)
+    rows = (None if r is None else
+            jax.random.uniform(jax.random.key(seed + 1), (r,), minval=0.25, maxval=4.0))
+    fn = jax.jit(lambda x, w, l, s, rows: st.stacked_fp8_matmul(
+        x, w, l, s, impl="interpret", config=config, row_scale=rows))
+    out = fn(x8, w8, jnp.int32(layer), scale, rows)
     assert out.shape == (m, n)
-    assert _rel_err(out, _exact(x8, w8, layer, scale)) < 4e-3, seed
+    exact = _exact(x8, w8, layer, scale)
+    if rows is not None:
+        exact = exact * np.pad(np.asarray(rows, np.float64), (0, m - r))[:, None]
+        assert not np.asarray(out[r:], np.float32).any()
+    assert _rel_err(out, exact) < 4e-3, seed
 
 
 _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
@@ -264,12 +276,14 @@ def test_addend_shape_is_checked_and_lowers_for_cuda():
     # cut and the merge runs before the addend
     (None, 7680, 1024, None, False),
     (st.STREAM_K_F32_CONFIG, 7680, 1024, None, False),
-    # per-row scales of x (both stream-K merges; the narrow tiling at tp=4's MLP-up width)
+    # per-row scales of x (the data-parallel epilogue, its tiles reused by 8 blocks; both
+    # stream-K merges; the narrow tiling at tp=4's MLP-up width)
+    (st.TILES_CONFIG, 2048, 1024, 8, True),
     (None, 7680, 1024, None, True),
     (st.STREAM_K_F32_CONFIG, 7680, 1024, None, True),
     (st.NARROW_STREAM_K_CONFIG, 8064, 1024, None, True)],
-    ids=["tiles", "stream_k", "stream_k_f32", "stream_k_rows", "stream_k_f32_rows",
-         "narrow_rows"])
+    ids=["tiles", "stream_k", "stream_k_f32", "tiles_rows", "stream_k_rows",
+         "stream_k_f32_rows", "narrow_rows"])
 def test_addend_epilogue_on_gpu_inside_scan(config, n, k, num_sms, with_rows):
     """The addend epilogue on the hardware (one GPU, no peers: isolated from the fused
     kernel's multi-GPU protocol). M = 757, 3 layers with distinct weights and addends,
@@ -435,8 +449,12 @@ def test_stream_k_lowers_at_characters_57b_shapes():
         text = _lower_scan("pallas", m=757, n=n, k=k, layers=60, rows=True)
         call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
         assert len(call) == 1 and "tensor<757xf32>" in call[0].rsplit(":", 1)[-1].split("->")[0]
-    with pytest.raises(NotImplementedError, match="stream-K"):
-        _lower_scan("pallas", config=st.TILES_CONFIG, rows=True)
+    # The data-parallel kernel takes them too (1 KB of shared memory: a tile's scales per
+    # compute warpgroup), with 4 stages of 128 x 256 tiles as well.
+    for config in (st.TILES_CONFIG, st.Config(stages=4)):
+        text = _lower_scan("pallas", m=757, n=9216, k=4608, layers=4, config=config, rows=True)
+        call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+        assert len(call) == 1 and "tensor<757xf32>" in call[0].rsplit(":", 1)[-1].split("->")[0]
     with pytest.raises(Exception, match="shared memory"):
         _lower_scan("pallas", n=9216, k=4608, config=st.Config(stream_k=True, stages=5))
     # The data-parallel kernel's scale is a scalar too: 4 stages of 128 x 256 fit there.

@@ -30,20 +30,56 @@ def _inputs(seed, m, d, dtype=jnp.bfloat16):
             jax.random.normal(kg, (d,)) * 0.1)
 
 
+def _assert_close_to_reference(q, s, rq_, rs_, m, seed):
+    """Scales to float32 rounding, e4m3 values equal but for rare one-step roundings (the
+    kernel sums a row's squares chunk by chunk, XLA in its own order), every real row
+    reaching the top of e4m3, padding rows zero."""
+    q32, r32 = np.asarray(q, np.float32), np.asarray(rq_, np.float32)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(rs_), rtol=1e-6, err_msg=str(seed))
+    assert (q32 != r32).mean() < 1e-3, seed
+    np.testing.assert_allclose(q32, r32, rtol=0.13, atol=2 ** -9, err_msg=str(seed))
+    np.testing.assert_allclose(np.abs(q32[:m]).max(1), 448.0)
+    assert not q32[m:].any() and not np.asarray(s)[m:].any()
+
+
+# Layouts: the default; one chunk of the row's next power of two (the first version); two
+# rows per program with chunks smaller than the row, the last one masked.
+LAYOUTS = [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8), rq.Layout(2, 64, 4)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["default", "one_chunk", "two_rows"])
 @pytest.mark.parametrize("m,d,rows_out", [(37, 200, 40), (16, 128, 16)])
-def test_kernel_in_interpreter_matches_reference(m, d, rows_out):
-    """Under the Pallas interpreter: bit-equal to the reference, padding rows zero with scale
+def test_kernel_in_interpreter_matches_reference(m, d, rows_out, layout):
+    """Under the Pallas interpreter: the reference's values, padding rows zero with scale
     0, D not a power of two (masked lanes)."""
     seed = _seed()
     x, shift, scale = _inputs(seed, m, d)
     q, s = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=rows_out, impl="interpret"))(x, shift, scale)
+        x, a, b, eps=EPS, rows_out=rows_out, impl="interpret", layout=layout))(x, shift, scale)
     rq_, rs_ = rq.reference(x, shift, scale, eps=EPS, rows_out=rows_out)
     assert q.shape == (rows_out, d) and q.dtype == jnp.float8_e4m3fn and s.shape == (rows_out,)
-    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(rq_, np.float32), err_msg=str(seed))
-    np.testing.assert_array_equal(np.asarray(s), np.asarray(rs_), err_msg=str(seed))
-    # every real row reaches the top of e4m3
-    np.testing.assert_allclose(np.abs(np.asarray(q[:m], np.float32)).max(1), 448.0)
+    _assert_close_to_reference(q, s, rq_, rs_, m, seed)
+
+
+@pytest.mark.parametrize("prologue", ["gelu", "none"])
+@pytest.mark.parametrize("layout", LAYOUTS[::2], ids=["default", "two_rows"])
+def test_gelu_and_plain_prologues_in_interpreter(prologue, layout):
+    """The MLP hidden (GELU of up's output, whose rows past M are padding and not read:
+    here NaN) and a plain activation, against the model's math."""
+    seed = _seed()
+    m, d, rows_y, rows_out = 37, 200, 40, 40
+    y = (jax.random.normal(jax.random.key(seed), (rows_y, d)) * 3).astype(jnp.bfloat16)
+    y = y.at[m:].set(jnp.nan)
+    q, s = jax.jit(lambda y: rq.row_quantize(y, prologue=prologue, rows=m, rows_out=rows_out,
+                                             impl="interpret", layout=layout))(y)
+    rq_, rs_ = rq.reference(y, rows=m, rows_out=rows_out, prologue=prologue)
+    assert q.shape == (rows_out, d) and s.shape == (rows_out,)
+    assert np.isfinite(np.asarray(s)).all()
+    _assert_close_to_reference(q, s, rq_, rs_, m, seed)
+    if prologue == "gelu":  # GELU's negative lobe: no value below -0.17 * scale
+        from characters_jax.model.dit import mlp_hidden
+        h = np.asarray(mlp_hidden(y[:m]), np.float32)
+        assert h.min() > -0.171 and (np.asarray(q[:m], np.float32) < 0).any()
 
 
 def test_bad_input_is_rejected():
@@ -54,36 +90,51 @@ def test_bad_input_is_rejected():
         rq.norm_modulate_quantize(x, shift[:10], scale, eps=EPS)
     with pytest.raises(ValueError, match="impl"):
         rq.norm_modulate_quantize(x, shift, scale, eps=EPS, impl="cuda")
+    with pytest.raises(ValueError, match="prologue"):
+        rq.row_quantize(x, prologue="silu")
+    with pytest.raises(ValueError, match="'norm' prologue"):
+        rq.row_quantize(x, shift, scale, prologue="gelu")
+    with pytest.raises(ValueError, match="rows="):
+        rq.row_quantize(x, prologue="gelu", rows=9)
+    with pytest.raises(ValueError, match="power of two"):
+        rq.Layout(rows_per_program=3)
     assert rq.norm_modulate_quantize(x, shift, scale, eps=EPS)[0].shape == (8, 64)  # auto on CPU
 
 
-def test_lowers_for_cuda_as_one_triton_kernel(monkeypatch):
-    """At characters-57b's shape (757 x 9216 -> 760 rows): one Triton custom call, a program
-    per output row (the Triton lowering asks for the GPU's info: an H100's is given)."""
+@pytest.mark.parametrize("prologue,rows_in,d,layout,grid", [
+    ("norm", 757, 9216, rq.DEFAULT_LAYOUT, 760),
+    ("norm", 757, 9216, rq.Layout(4, 1024, 8), 190),
+    ("gelu", 760, 8064, rq.DEFAULT_LAYOUT, 760),  # tp=4's MLP hidden, read from up's 760 rows
+    ("none", 757, 2304, rq.DEFAULT_LAYOUT, 760)])  # tp=4's attention output
+def test_lowers_for_cuda_as_one_triton_kernel(monkeypatch, prologue, rows_in, d, layout, grid):
+    """At characters-57b's shapes (757 rows -> 760): one Triton custom call, a program per
+    rows_per_program output rows (the Triton lowering asks for the GPU's info: an H100's is
+    given)."""
     import jax.experimental.pallas.triton as plt
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     info = plt.get_gpu_info_from_version(plt.GpuVersion.H100)
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
-    args = (jax.ShapeDtypeStruct((757, 9216), jnp.bfloat16),
-            jax.ShapeDtypeStruct((9216,), jnp.float32), jax.ShapeDtypeStruct((9216,), jnp.float32))
-    text = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=760, impl="pallas")).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+    args = [jax.ShapeDtypeStruct((rows_in, d), jnp.bfloat16)]
+    if prologue == "norm":
+        args += [jax.ShapeDtypeStruct((d,), jnp.float32)] * 2
+    text = jax.jit(lambda x, *ab: rq.row_quantize(
+        x, *ab, prologue=prologue, eps=EPS, rows=757, rows_out=760, impl="pallas",
+        layout=layout)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
-    assert len(calls) == 1 and "triton" in calls[0] and "grid_x = 760" in calls[0]
-    assert "tensor<760x9216xf8E4M3FN>" in calls[0] and "tensor<760xf32>" in calls[0]
+    assert len(calls) == 1 and "triton" in calls[0] and f"grid_x = {grid}" in calls[0]
+    assert f"tensor<760x{d}xf8E4M3FN>" in calls[0] and "tensor<760xf32>" in calls[0]
 
 
-def test_block_with_the_kernel_as_its_input():
-    """A characters Block with FP8 weights and per-row scales: its input from the kernel
-    (interpreter; 760 -> padded rows, sliced off after the GEMMs) gives the same output as
-    XLA's modulated norm + quantization."""
+def test_block_with_the_kernels_as_its_inputs(monkeypatch):
+    """A characters Block with FP8 weights and per-row scales: its GEMMs' inputs from the
+    kernels (interpreter; the block input only, then all three; 21 -> 24 padded rows, sliced
+    off after the GEMMs and the reduction) give the same output as XLA's fusions."""
     from flax import nnx
 
     from characters_jax.config import ModelConfig
+    from characters_jax.engine.step import block_activations
     from characters_jax.model.dit import Block
-    from characters_jax.parallel.fp8_linear import Fp8Activation
 
     cfg = ModelConfig(d_model=64, num_heads=2, head_dim=16, mlp_dim=128, weight_dtype="fp8",
                       dtype="bfloat16", activation_scale="row")
@@ -95,15 +146,14 @@ def test_block_with_the_kernel_as_its_input():
     reduce = lambda pairs: sum(  # noqa: E731
         linear(a, w, out_dtype=jnp.float32, act_scale="row") for a, w in pairs)
 
-    def kernel_input(x, shift, scale, eps):
-        return Fp8Activation(*rq.norm_modulate_quantize(x, shift, scale, eps=eps, rows_out=24,
-                                                        impl="interpret"))
-
+    real = rq._pallas
+    monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real(*a, **{**k, "interpret": True}))
     base, _ = block(x, shared, attend, reduce)
-    fused, _ = block(x, shared, attend, reduce, block_input=kernel_input)
-    assert fused.shape == base.shape == (t, 64)
-    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
-                               rtol=2e-2, atol=2e-2)
+    for mode in ("pallas-norm", "pallas"):
+        fused, _ = block(x, shared, attend, reduce, activations=block_activations(mode))
+        assert fused.shape == base.shape == (t, 64)
+        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
+                                   rtol=2e-2, atol=2e-2)
     assert np.asarray(fused - x, np.float32).any()
 
 
@@ -113,6 +163,11 @@ def test_engine_input_quant_resolution():
 
     row = ModelConfig(weight_dtype="fp8", activation_scale="row")
     assert resolve_input_quant("auto", row) == ("pallas" if rq.is_supported() else "xla")
+    if rq.is_supported():
+        assert resolve_input_quant("pallas-norm", row) == "pallas-norm"
+    else:
+        with pytest.raises(ConfigError, match="compute capability"):
+            resolve_input_quant("pallas-norm", row)
     assert resolve_input_quant("auto", ModelConfig(weight_dtype="fp8")) == "xla"
     assert resolve_input_quant("xla", row) == "xla"
     with pytest.raises(ConfigError, match="activation_scale"):
@@ -151,8 +206,10 @@ def test_host_emulation_is_the_reference():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8),
+                                    rq.Layout(4, 1024, 8)], ids=["default", "one_chunk", "four_rows"])
 @pytest.mark.parametrize("m,d", [(757, 9216), (40, 2304)])
-def test_kernel_on_gpu_matches_reference(m, d):
+def test_kernel_on_gpu_matches_reference(m, d, layout):
     """On the GPU at the model's shape, NaN-poisoned memory first, against the host's float64
     emulation of the program (the norm and h rounded to bf16, as written): scales and e4m3
     values equal but for rare one-step roundings. XLA's own GPU program is not the yardstick
@@ -165,7 +222,7 @@ def test_kernel_on_gpu_matches_reference(m, d):
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
     rows_out = -(-m // 8) * 8
     q, s = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=rows_out, impl="pallas"))(x, shift, scale)
+        x, a, b, eps=EPS, rows_out=rows_out, impl="pallas", layout=layout))(x, shift, scale)
     q32, s32 = np.asarray(q, np.float32), np.asarray(s, np.float64)
     assert np.isfinite(q32).all() and np.isfinite(s32).all(), seed
     assert not q32[m:].any() and not s32[m:].any()
@@ -180,9 +237,41 @@ def test_kernel_on_gpu_matches_reference(m, d):
         assert np.linalg.norm(deq[r] - ref[r]) / np.linalg.norm(ref[r]) < 5e-2, (seed, r)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("prologue,d", [("gelu", 8064), ("gelu", 16128), ("none", 2304)])
+@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(4, 1024, 8)],
+                         ids=["default", "four_rows"])
+def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
+    """The MLP hidden from up's 760-row output (its padding rows NaN, never read) and the
+    attention output, on the GPU against a float64 host emulation (GELU rounded to bf16)."""
+    import ml_dtypes
+
+    if not rq.is_supported():
+        pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
+    seed = _seed()
+    m, rows_out = 757, 760
+    y = (jax.random.normal(jax.random.key(seed), (rows_out, d)) * 3).astype(jnp.bfloat16)
+    y = y.at[m:].set(jnp.nan)
+    jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+    q, s = jax.jit(lambda y: rq.row_quantize(y, prologue=prologue, rows=m, rows_out=rows_out,
+                                             impl="pallas", layout=layout))(y)
+    q32, s32 = np.asarray(q, np.float32), np.asarray(s, np.float64)
+    assert np.isfinite(q32).all() and np.isfinite(s32).all(), seed
+    assert not q32[m:].any() and not s32[m:].any()
+    h = np.asarray(y[:m], np.float64)
+    if prologue == "gelu":
+        h = h * 0.5 * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+        h = h.astype(ml_dtypes.bfloat16).astype(np.float64)
+    hs = np.maximum(np.abs(h).max(-1), rq.AMAX_FLOOR) / rq.FP8_MAX
+    hq = np.clip(h / hs[:, None], -rq.FP8_MAX, rq.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    assert (np.abs(s32[:m] / hs - 1) > 1e-6).mean() < 0.02, seed
+    assert (q32[:m] != hq.astype(np.float32)).mean() < 2e-3, seed
+
+
 def test_engine_step_with_the_kernel_matches_xla(monkeypatch):
-    """The engine's input_quant='pallas' path, prefill and steps at tp=2 (the kernel under
-    the interpreter in place of the GPU, inside the step's shard_map): the same latents as
+    """The engine's input_quant='pallas' path (all three kernels), prefill and steps at tp=2
+    (the kernels under the interpreter in place of the GPU, inside the step's shard_map,
+    their padded FP8 rows through the row-parallel reduction): the same latents as
     XLA's per-row quantization, to FP8 rounding (the kernel rounds the norm to bf16 as the
     program says; XLA's CPU code does too, so they agree closely)."""
     from characters_jax.config import load_config

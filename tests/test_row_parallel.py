@@ -83,12 +83,11 @@ def test_row_parallel_fp8_two_pairs_one_reduction(tp, method):
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas-stream-k"])
+@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas", "pallas-stream-k"])
 def test_row_scales_keep_small_rows(tp, method):
     """act_scale='row': the two-pair reduction with rows whose magnitudes span 10^-6 .. 1 is
-    accurate row by row ('pallas-stream-k' runs its XLA fallback on CPU); one scale per
-    tensor loses the smallest rows (the check can fail). ('pallas' quantizes its fused
-    pair per tensor: the data-parallel kernel takes one scale.)"""
+    accurate row by row (the fused methods run their XLA fallback on CPU); one scale per
+    tensor loses the smallest rows (the check can fail)."""
     mesh = _mesh(tp)
     seed = np.random.SeedSequence().entropy % 2**31
     xs, ws, _ = _problem(seed, tp, m=29, ks=(16, 40), n=32)
@@ -100,6 +99,43 @@ def test_row_scales_keep_small_rows(tp, method):
     assert max(errs) < 8e-2, (seed, errs)
     by_tensor = np.asarray(_run(mesh, xs, ws, method, fp8=True), np.float64)
     assert _rel_err(by_tensor[0], ref[0]) > 0.5, seed
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas", "pallas-stream-k"])
+def test_prequantized_activation_with_padding_rows(tp, method):
+    """An x that arrives quantized per row with zero padding rows (as the fused
+    quantization kernels give it: 29 rows -> 32, scales of the padding rows 0) beside a
+    float x of 29 rows: the result has 29 rows and equals the all-float call's."""
+    from characters_jax.parallel.fp8_linear import Fp8Activation, quantize_activation
+
+    mesh = _mesh(tp)
+    seed = np.random.SeedSequence().entropy % 2**31
+    xs, ws, ref = _problem(seed, tp, m=29, ks=(16, 40), n=32)
+    weights = [quantize_weight(w) for w in ws]
+    w_spec = type(weights[0])(values=P(None, "tp"), scale=P())
+
+    def body(prequantized, xs, ws):
+        x1 = xs[1]
+        if prequantized:
+            q, s = quantize_activation(x1, per_row=True)
+            x1 = Fp8Activation(jnp.pad(q, ((0, 3), (0, 0))), jnp.pad(s, (0, 3)))
+        return row_parallel.row_parallel_matmul_reduce(
+            [(xs[0], ws[0]), (x1, ws[1])], method=method, act_scale="row",
+            out_dtype=jnp.bfloat16)
+
+    run = lambda pre: jax.jit(jax.shard_map(  # noqa: E731
+        functools.partial(body, pre), mesh=mesh, in_specs=([P(None, "tp")] * 2, [w_spec] * 2),
+        out_specs=P(), check_vma=False))(xs, weights)
+    padded, plain = run(True), run(False)
+    assert padded.shape == plain.shape == (29, 32)
+    np.testing.assert_allclose(np.asarray(padded, np.float32), np.asarray(plain, np.float32),
+                               rtol=1e-2, atol=1e-2, err_msg=str(seed))
+    assert _rel_err(padded, ref) < 6e-2, seed
+    with pytest.raises(ValueError, match="out_dtype"):
+        jax.shard_map(lambda x, w: row_parallel.row_parallel_matmul_reduce(
+            Fp8Activation(*quantize_activation(x)), w), mesh=mesh,
+            in_specs=(P(None, "tp"), w_spec), out_specs=P(), check_vma=False)(xs[0], weights[0])
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -319,15 +355,14 @@ def test_pallas_stream_k_method_runs_the_stream_k_exchange(monkeypatch, tp):
 
 
 @pytest.mark.parametrize("method,tp", [("psum", 1), ("psum", 2), ("pallas", 2), ("pallas-stream-k", 2)])
-def test_row_scales_reach_the_stream_k_kernels(monkeypatch, method, tp):
-    """act_scale='row' on Hopper: every stream-K GEMM takes the rows' scales (a [757] float32
-    operand: the 757 real rows of the 760 it multiplies, not padded); the data-parallel
-    fused kernel ('pallas' at tp >= 2) takes none, its pair quantized per tensor."""
+def test_row_scales_reach_the_fused_and_stacked_kernels(monkeypatch, method, tp):
+    """act_scale='row' on Hopper: every GEMM kernel takes the rows' scales (a [757] float32
+    operand: the 757 real rows of the 760 or 768 it multiplies, not padded), the
+    data-parallel fused kernel ('pallas' at tp >= 2) too."""
     text = _lower_block_for_cuda(monkeypatch, method, tp=tp, act_scale="row")
     calls = _calls(text)
     assert len(calls) == 2
     ins = [ln.rsplit(":", 1)[-1].split("->")[0] for ln in calls]
-    with_rows = ["tensor<757xf32>" in i for i in ins]
-    assert with_rows == ([True, False] if method == "pallas" else [True, True]), ins
+    assert all("tensor<757xf32>" in i for i in ins), ins
     assert not re.search(r"stablehlo.pad.*-> tensor<\d+xf32>", text)
     assert _no_weight_slices(text)

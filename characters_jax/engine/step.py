@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import Config, ConfigError
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
-from characters_jax.model.dit import DiT, scan_blocks
+from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
 from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
@@ -56,11 +56,13 @@ class EngineOptions:
     at tp=1 the V^T write costs ~57 us per block pass (cache upkeep 24.4 vs 10.7 ms per
     step) against 1.6 ms per step saved in attention: the step is 2.7% slower with it
     (BUILD_NOTES, "The V^T cache in the step");
-    input_quant: how the block's modulated norm is quantized for FP8 weights with per-row
-    activation scales (model.activation_scale = 'row'): 'pallas' (one kernel, norm +
-    modulation + row maximum + e4m3, `pallas_kernels.fp8_row_quantize`; NVIDIA GPUs of
-    compute capability 8.9+) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and
-    runs, else xla)."""
+    input_quant: how the GEMMs' inputs are quantized for FP8 weights with per-row
+    activation scales (model.activation_scale = 'row'): 'pallas' (each by one kernel of
+    `pallas_kernels.fp8_row_quantize`: the block input's norm + modulation, the MLP hidden's
+    GELU, the attention output, each with its rows' maxima and e4m3 in the same pass;
+    NVIDIA GPUs of compute capability 8.9+) | 'pallas-norm' (the block input's kernel only,
+    the rest by XLA) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and runs,
+    else xla)."""
 
     attention: str = "auto"
     reduce: str = "auto"
@@ -81,23 +83,50 @@ class EngineOptions:
 
 GEMM_MODES = ("auto", "xla", "stacked")
 V_CACHE_MODES = ("plain", "transposed")
-INPUT_QUANT_MODES = ("auto", "xla", "pallas")
+INPUT_QUANT_MODES = ("auto", "xla", "pallas", "pallas-norm")
+# The modes that run fp8_row_quantize kernels.
+PALLAS_INPUT_QUANT = ("pallas", "pallas-norm")
 
 
 def resolve_input_quant(input_quant: str, model) -> str:
-    """'pallas' or 'xla' for a ModelConfig: the fused kernel applies to FP8 weights with
-    per-row activation scales; asked for by name where it cannot run: ConfigError."""
+    """The concrete mode ('pallas', 'pallas-norm' or 'xla') for a ModelConfig: the kernels
+    apply to FP8 weights with per-row activation scales; asked for by name where they
+    cannot run: ConfigError."""
     applies = model.weight_dtype == "fp8" and model.activation_scale == "row"
     if input_quant == "xla":
         return "xla"
-    if input_quant == "pallas":
+    if input_quant in PALLAS_INPUT_QUANT:
         if not applies:
-            raise ConfigError("input_quant='pallas' quantizes per row for FP8 weights: needs "
-                              "model.weight_dtype='fp8' and model.activation_scale='row'")
+            raise ConfigError(f"input_quant={input_quant!r} quantizes per row for FP8 weights: "
+                              "needs model.weight_dtype='fp8' and model.activation_scale='row'")
         if not fp8_row_quantize.is_supported():
-            raise ConfigError("input_quant='pallas' needs an NVIDIA GPU of compute capability 8.9+")
-        return "pallas"
+            raise ConfigError(f"input_quant={input_quant!r} needs an NVIDIA GPU of compute "
+                              "capability 8.9+")
+        return input_quant
     return "pallas" if applies and fp8_row_quantize.is_supported() else "xla"
+
+
+def block_activations(input_quant: str) -> BlockActivations:
+    """The blocks' GEMM inputs for a resolved ``input_quant``: the model's defaults ('xla'),
+    or FP8 from the fused kernels, rows padded to the stacked GEMM's multiple of 8 by the
+    kernels themselves (padding rows zero, scale 0)."""
+    if input_quant not in PALLAS_INPUT_QUANT:
+        return DEFAULT_ACTIVATIONS
+
+    def quantized(x, rows, **kw):
+        values, row_scale = fp8_row_quantize.row_quantize(
+            x, rows=rows, rows_out=-(-rows // 8) * 8, impl="pallas", **kw)
+        return Fp8Activation(values, row_scale)
+
+    def block_input(x, shift, scale, eps):
+        return quantized(x, x.shape[0], shift=shift, scale=scale, eps=eps, prologue="norm")
+
+    if input_quant == "pallas-norm":
+        return BlockActivations(block_input=block_input)
+    return BlockActivations(
+        block_input=block_input,
+        mlp_hidden=lambda y, t: quantized(y, t, prologue="gelu"),
+        attention_out=lambda o: quantized(o, o.shape[0], prologue="none"))
 
 
 def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
@@ -247,15 +276,10 @@ class Engine:
         def reduce(pairs):
             with jax.named_scope("out_down_reduce"):
                 return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
+                                                  out_dtype=jnp.dtype(self.cfg.model.dtype),
                                                   act_scale=self.cfg.model.activation_scale)
 
-        block_input = None
-        if self.input_quant == "pallas":
-            def block_input(x, shift, scale, eps):
-                # Rows padded to the stacked GEMM's multiple of 8 by the kernel itself.
-                values, row_scale = fp8_row_quantize.norm_modulate_quantize(
-                    x, shift, scale, eps=eps, rows_out=-(-x.shape[0] // 8) * 8, impl="pallas")
-                return Fp8Activation(values, row_scale)
+        activations = block_activations(self.input_quant)
 
         def block_fn(block, layer, x, shared_mod, cache):
             def attend(q, k, v):
@@ -272,7 +296,7 @@ class Engine:
                     o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
                 return o, c
 
-            return block(x, shared_mod, attend, reduce, layer=layer, block_input=block_input)
+            return block(x, shared_mod, attend, reduce, layer=layer, activations=activations)
 
         return block_fn
 

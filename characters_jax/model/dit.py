@@ -16,6 +16,7 @@ block projections hold float8_e4m3fn values and a float32 per-tensor scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -34,10 +35,6 @@ TIME_FREQ_DIM = 256
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 # reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
 ReduceFn = Callable[[list], jax.Array]
-# block_input(x, shift, scale, eps) -> the block's modulated norm h [T, d] in x.dtype
-# (`modulated_norm`), or already quantized for FP8 weights as an Fp8Activation whose values
-# may carry padding rows past T (the engine's fused kernel, pallas_kernels.fp8_row_quantize).
-BlockInputFn = Callable[[jax.Array, jax.Array, jax.Array, float], object]
 
 
 def _dtype(name: str):
@@ -54,6 +51,49 @@ def modulated_norm(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float)
     """adaLN on an RMSNorm: rms_norm(x) * (1 + scale) + shift in float32, in x.dtype.
     x [T, d]; shift, scale [d] float32."""
     return (rms_norm(x, eps).astype(jnp.float32) * (1.0 + scale) + shift).astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation, in x's dtype (as ``jax.nn.gelu(approximate=True)``):
+    x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))."""
+    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))
+    return x * (0.5 * (1.0 + jnp.tanh(inner)))
+
+
+def mlp_hidden(y: jax.Array) -> jax.Array:
+    """The MLP's hidden activation of up's output y [T, F]: GELU in float32, rounded once to
+    y.dtype."""
+    return gelu_tanh(y.astype(jnp.float32)).astype(y.dtype)
+
+
+def _hidden_of_up(y: jax.Array, t: int) -> jax.Array:
+    return mlp_hidden(y[:t])
+
+
+def _attention_out(o: jax.Array) -> jax.Array:
+    return o
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockActivations:
+    """How a block makes the activations its GEMMs read. Each returns the float array of
+    the model's math (the defaults) or, for FP8 weights, that array already quantized as an
+    ``Fp8Activation`` whose values may carry zero padding rows past T (the engine's fused
+    kernels, ``pallas_kernels.fp8_row_quantize``).
+
+      block_input(x [T, d], shift [d], scale [d], eps) -> h, qkv's and up's input
+        (``modulated_norm``);
+      mlp_hidden(y [Ty >= T, F], t) -> down's input from up's output, whose rows past t are
+        padding (``mlp_hidden`` of y[:t]);
+      attention_out(o [T, H_local * D]) -> out's input (o itself).
+    """
+
+    block_input: Callable = modulated_norm
+    mlp_hidden: Callable = _hidden_of_up
+    attention_out: Callable = _attention_out
+
+
+DEFAULT_ACTIVATIONS = BlockActivations()
 
 
 def timestep_features(sigma: jax.Array, dim: int = TIME_FREQ_DIM) -> jax.Array:
@@ -122,13 +162,15 @@ class Block(nnx.Module):
         self.modulation = nnx.Param(offset.at[2].add(1.0), logical_axes=(None, "embed"))
 
     def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn,
-                 layer: jax.Array | None = None, block_input: BlockInputFn | None = None):
+                 layer: jax.Array | None = None,
+                 activations: BlockActivations = DEFAULT_ACTIVATIONS):
         """x: [T, d] (replicated); shared_mod: [3, d] float32; layer: [] int32, used when the
-        projections hold the whole layer stack; block_input: how h is made (default
-        `modulated_norm`). Returns (x', aux from attend)."""
+        projections hold the whole layer stack; activations: how the GEMMs' inputs are made
+        (``BlockActivations``). Returns (x', aux from attend)."""
         t = x.shape[0]
+        acts = activations
         mod = shared_mod + self.modulation[...]
-        h = (block_input or modulated_norm)(x, mod[0], mod[1], self.eps)
+        h = acts.block_input(x, mod[0], mod[1], self.eps)
         proj = dict(out_dtype=x.dtype, layer=layer, act_scale=self.act_scale)
         with jax.named_scope("qkv_proj"):
             qkv = self.qkv(h, **proj)[:t].reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
@@ -137,8 +179,10 @@ class Block(nnx.Module):
         v = qkv[:, :, 2]
         o, aux = attend(q, k, v)
         with jax.named_scope("mlp_up"):
-            hidden = jax.nn.gelu(self.up(h, **proj)[:t], approximate=True)
-        y = reduce([(o.reshape(t, -1).astype(x.dtype), self.out.weight(layer)), (hidden, self.down.weight(layer))])
+            hidden = acts.mlp_hidden(self.up(h, **proj), t)
+        o = acts.attention_out(o.reshape(t, -1).astype(x.dtype))
+        # [:t]: activations with padding rows give a padded sum.
+        y = reduce([(o, self.out.weight(layer)), (hidden, self.down.weight(layer))])[:t]
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
 
 

@@ -30,8 +30,10 @@ Methods (the ``method`` argument):
 
 Activation scales (``act_scale``): 'tensor' quantizes each x with one scale; 'row' with
 one per row (token), applied to the product's rows after the GEMM (every method; the
-fused 'pallas' kernel's data-parallel GEMM takes a scalar scale, so its own pair stays
-per tensor there, while 'pallas-stream-k' takes the rows' scales in its epilogue).
+fused kernels take the rows' scales in their epilogues).  An x may also come already
+quantized (``Fp8Activation``, e.g. from ``pallas_kernels.fp8_row_quantize``), with zero
+padding rows past the others' M: the other FP8 pairs are then quantized and padded to
+its rows, and the result is sliced back to M.
 
 At tp = 1 there is nothing to reduce: with stacked weights the fused methods take the
 'psum' path, whose stacked GEMMs use the stream-K schedule (the fused kernel's
@@ -111,14 +113,27 @@ def _as_pairs(x_or_pairs, w) -> list[tuple[jax.Array, object]]:
 
 
 def _check_pairs(pairs) -> tuple[int, int]:
-    m = pairs[0][0].shape[0]
+    """(M, N): M the fewest rows of any x; only an ``Fp8Activation`` may have more (zero
+    padding rows, e.g. from a fused quantization kernel)."""
+    m = min(x.shape[0] for x, _ in pairs)
     n = pairs[0][1].shape[0]
     for x, w in pairs:
-        if x.ndim != 2 or x.shape[0] != m:
+        if len(x.shape) != 2 or (x.shape[0] != m and not isinstance(x, Fp8Activation)):
             raise ValueError(f"every x_shard must be [M={m}, K], got {x.shape}")
         if w.shape[0] != n or w.shape[1] != x.shape[1]:
             raise ValueError(f"w_shard {w.shape} does not match x_shard {x.shape} and N={n}")
     return m, n
+
+
+def _align_rows(pairs, act_scale: str):
+    """Pairs whose activations differ in rows (an ``Fp8Activation`` with padding rows
+    beside float activations): every FP8 pair quantized (then padded: the FP8 pad fuses into
+    the quantization), so that all carry the most rows."""
+    rows = max(x.shape[0] for x, _ in pairs)
+    if all(x.shape[0] == rows for x, _ in pairs):
+        return pairs
+    return [(_pad_activation(quantize(x, act_scale), rows) if isinstance(w, Fp8Weight)
+             else x, w) for x, w in pairs]
 
 
 def local_partial(pairs: Sequence[tuple[jax.Array, object]], out_dtype,
@@ -166,7 +181,7 @@ def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
     """Zero rows appended to the values up to ``rows``; per-row scales stay those of the real
     rows (``Fp8Activation.row_scales`` pads them where needed; the stacked kernel bounds its
     copy of them, so no pad kernel runs)."""
-    return Fp8Activation(_pad_rows(xq.values, rows), xq.scale)
+    return xq if xq.shape[0] == rows else Fp8Activation(_pad_rows(xq.values, rows), xq.scale)
 
 
 def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
@@ -213,8 +228,13 @@ def _ring_all_reduce_rows(chunk_partial, m: int, tp: int, axis_name: str) -> jax
     return full[:m]
 
 
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+def _pad_rows(x, rows: int):
+    """x [M, K] (an array or an ``Fp8Activation``) with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    if isinstance(x, Fp8Activation):
+        return _pad_activation(x, rows)
+    return jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
 def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
@@ -270,8 +290,7 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
     config = fp8_gemm_allreduce.STREAM_K_CONFIG if stream_k else None
-    # The data-parallel fused GEMM takes one scale: its pair is quantized per tensor.
-    xq = quantize(x, act_scale if stream_k else "tensor")
+    xq = quantize(x, act_scale)
     return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.layer_scale, layer=w.layer,
                                              addend=addend, axis_name=axis_name,
                                              out_dtype=out_dtype, x_scale=xq.scale, config=config)
@@ -296,20 +315,28 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
       [M, N] = sum over devices (and pairs) of x @ w.T, replicated on every device.
     """
     pairs = _as_pairs(x_shard, w_shard)
-    _check_pairs(pairs)
-    out_dtype = jnp.dtype(out_dtype or pairs[0][0].dtype)
+    m, _ = _check_pairs(pairs)
     check_act_scale(act_scale)
+    if out_dtype is None:
+        first = pairs[0][0]
+        if isinstance(first, Fp8Activation):
+            raise ValueError("out_dtype is required when the first activation is FP8")
+        out_dtype = first.dtype
+    out_dtype = jnp.dtype(out_dtype)
+    pairs = _align_rows(pairs, act_scale)
     method = resolve_method(method, jax.default_backend(), pairs)
     if method in FUSED_METHODS and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
         method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
-        return _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
-    if method == "ppermute":
+        out = _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
+    elif method == "ppermute":
         # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
         pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
-        return _ppermute_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
-    return _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale,
-                                 stream_k=method == "pallas-stream-k")
+        out = _ppermute_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
+    else:
+        out = _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale,
+                                    stream_k=method == "pallas-stream-k")
+    return out[:m]
 
 
 def reduce(partial: jax.Array, *, axis_name: str = "tp", method: str = "psum") -> jax.Array:
