@@ -1617,9 +1617,9 @@ def kernel_options(h: int, valid, *, tq: int, **options) -> dict:
         vt_stored=o.v_transposed)
 
 
-@functools.partial(jax.jit, static_argnames=("clip_out",) + KERNEL_OPTION_NAMES)
+@functools.partial(jax.jit, static_argnames=("clip_out", "padded_out") + KERNEL_OPTION_NAMES)
 def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, clip_out: bool = False,
-                     **options):
+                     padded_out: bool = False, **options):
     """FP8 attention through the Mosaic GPU kernel (Hopper only).
 
     Same arguments and result as :func:`attention`; K/V must be float8_e4m3fn and
@@ -1669,7 +1669,7 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, clip_out: 
         q8, scales, bias, vt = _prepare_inputs(q, v, k_scale, v_scale, valid, o.block_kv,
                                                o.q_split)
         out = call(q8, k, vt, scales, bias)
-    return out[:tq].astype(q.dtype)
+    return (out if padded_out else out[:tq]).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -1705,7 +1705,7 @@ def _layer_of(x, layer):
 
 
 def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=None,
-              v_transposed: bool = False) -> jax.Array:
+              v_transposed: bool = False, padded_out: bool = False) -> jax.Array:
     """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied); k, v: [S, H, D] float8_e4m3fn
     (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
     scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
@@ -1714,6 +1714,10 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     kernel reads it in place, the other impls slice it.
     v_transposed: v is V^T as :func:`transpose_v` makes it, [(L,) H, D, S'] (how a cache
     stores V for the kernel: no transpose per call); the other impls undo it.
+    padded_out: the Pallas kernels return all the rows they computed, [Tq' >= Tq, H, D]
+    (Tq rounded up to their query tile; the rows past Tq are not attention outputs), for a
+    consumer that reads only the first Tq rows (a slice would be a copy); other impls
+    return [Tq, H, D] regardless.
     Returns [Tq, H, D] in q.dtype. impl: 'auto' | 'reference' | 'pallas' | 'pallas-exp2'
     (the kernel with P from ex2 + cvt and the eager rescale) | 'cudnn' | 'xla'.
     'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
@@ -1722,7 +1726,8 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
         raise ValueError(f"with layer, k and v must be [L, S, H, D] stacks, got {k.shape}")
     if impl in PALLAS_IMPLS:
         return attention_pallas(q, k, v, k_scale, v_scale, valid, layer,
-                                **PALLAS_IMPLS[impl], v_transposed=v_transposed)
+                                **PALLAS_IMPLS[impl], v_transposed=v_transposed,
+                                padded_out=padded_out)
     if v_transposed:
         v = untranspose_v(v, k.shape[-3])
     if layer is not None:

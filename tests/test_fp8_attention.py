@@ -191,6 +191,20 @@ def test_pallas_impls_lower_for_cuda_with_their_options(impl, monkeypatch):
         assert resolved.variant.attention == "reference" and "Hopper" in resolved.note
 
 
+def test_padded_out_keeps_the_kernels_rows_for_their_consumer():
+    """padded_out=True: the Pallas kernel's output as it computed it (757 queries -> 768
+    rows, no slice after the kernel, which would be a copy in front of a consumer that
+    reads the first 757 rows itself); the reference ignores it."""
+    q, k, sc, va = _model_structs()
+    for padded, rows in ((True, 768), (False, q.shape[0])):
+        out = jax.eval_shape(lambda *a: fa.attention(*a, impl="pallas", padded_out=padded),
+                             q, k, k, sc, sc, va)
+        assert out.shape == (rows,) + q.shape[1:], padded
+    ref = jax.eval_shape(lambda *a: fa.attention(*a, impl="reference", padded_out=True),
+                         q, k, k, sc, sc, va)
+    assert ref.shape == q.shape
+
+
 def test_key_permutation_is_a_permutation_within_16():
     perm = fa._key_permutation(128)
     assert sorted(perm.tolist()) == list(range(128))

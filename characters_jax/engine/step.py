@@ -126,7 +126,7 @@ def block_activations(input_quant: str) -> BlockActivations:
     return BlockActivations(
         block_input=block_input,
         mlp_hidden=lambda y, t: quantized(y, t, prologue="gelu"),
-        attention_out=lambda o: quantized(o, o.shape[0], prologue="none"))
+        attention_out=lambda o, t: quantized(o.reshape(o.shape[0], -1), t, prologue="none"))
 
 
 def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
@@ -293,7 +293,10 @@ class Engine:
                     in_place = layout.mode == "ring" and opts.kv_in_place
                     kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
                 with jax.named_scope("attention"):
-                    o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed)
+                    # With the attention output's own quantization kernel, the Pallas
+                    # attention's padded rows go in as they are (that kernel reads only the
+                    # real ones; a slice before it would be a copy).
+                    o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
                 return o, c
 
             return block(x, shared_mod, attend, reduce, layer=layer, activations=activations)

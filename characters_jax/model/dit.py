@@ -30,7 +30,8 @@ from characters_jax.parallel.fp8_linear import Fp8Weight, linear
 FP8 = jnp.float8_e4m3fn
 TIME_FREQ_DIM = 256
 
-# attend(q, k, v) -> (o, aux): q, k, v [T, H_local, D]; o [T, H_local, D]. The engine's closure
+# attend(q, k, v) -> (o, aux): q, k, v [T, H_local, D]; o [To >= T, H_local, D] (rows past T,
+# if any, are a kernel's padding, not read). The engine's closure
 # writes k/v into the cache and attends over it; aux carries the updated cache.
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
 # reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
@@ -70,8 +71,8 @@ def _hidden_of_up(y: jax.Array, t: int) -> jax.Array:
     return mlp_hidden(y[:t])
 
 
-def _attention_out(o: jax.Array) -> jax.Array:
-    return o
+def _attention_out(o: jax.Array, t: int) -> jax.Array:
+    return o[:t].reshape(t, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,8 @@ class BlockActivations:
         (``modulated_norm``);
       mlp_hidden(y [Ty >= T, F], t) -> down's input from up's output, whose rows past t are
         padding (``mlp_hidden`` of y[:t]);
-      attention_out(o [T, H_local * D]) -> out's input (o itself).
+      attention_out(o [To >= T, H_local, D], t) -> out's input [T, H_local * D] from the
+        attention output, whose rows past t are padding (o[:t], flattened).
     """
 
     block_input: Callable = modulated_norm
@@ -180,7 +182,7 @@ class Block(nnx.Module):
         o, aux = attend(q, k, v)
         with jax.named_scope("mlp_up"):
             hidden = acts.mlp_hidden(self.up(h, **proj), t)
-        o = acts.attention_out(o.reshape(t, -1).astype(x.dtype))
+        o = acts.attention_out(o.astype(x.dtype), t)
         # [:t]: activations with padding rows give a padded sum.
         y = reduce([(o, self.out.weight(layer)), (hidden, self.down.weight(layer))])[:t]
         return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
