@@ -6,13 +6,15 @@ characters-57b's shapes, each ``--layouts`` variant against XLA's fusions of the
   none  the attention output, 757 x 2304 (tp=4);
 and, for the block input, XLA's per-tensor quantization.
 
-Each variant runs 60 times inside one jitted ``lax.scan`` (as the block scan does), its
-output carried to the next iteration through an optimization barrier with the input, so
-every iteration's values are written; per call = scan time / 60, median of ``--repeats``
-(host clock around ``block_until_ready``, after a warm-up call), two interleaved rounds.
+Each variant runs 60 times inside one jitted ``lax.scan``, unrolled (``--rolled``: as a
+loop, which adds ~10 us a call of loop overhead), its output carried to the next
+iteration through an optimization barrier with the input, so every iteration's values are
+written; per call = scan time / 60, median of ``--repeats`` (host clock around
+``block_until_ready``, after a warm-up call), two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
-Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk).
+Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
+trailing 'r' for Layout.reload.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ M, ROWS, LAYERS, EPS = 757, 760, 60, 1e-6
 # (prologue, D, rows of the input): the kernels' shapes in the model.
 CASES = (("norm", 9216, M), ("gelu", 8064, ROWS), ("gelu", 10752, ROWS), ("gelu", 16128, ROWS),
          ("none", 2304, M))
-DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x4", "2x1024x8", "2x2048x8",
-                   "4x1024x8", "4x512x4")
+DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r", "1x2048x8r",
+                   "1x1024x2r", "2x1024x8r")
 
 
 def parse_layout(text: str) -> rq.Layout:
-    rows, chunk, warps = text.split("x")
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps))
+    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
+    reload = text.endswith("r")
+    rows, chunk, warps = text.rstrip("r").split("x")
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), reload)
 
 
 def variants(prologue, layouts):
@@ -63,7 +67,7 @@ def variants(prologue, layouts):
     return out
 
 
-def scanned(fn, d):
+def scanned(fn, d, unroll=True):
     """fn run LAYERS times in one jitted lax.scan (compiled once, timed each round)."""
     def scan(x, a, b):
         def body(carry, i):
@@ -71,7 +75,9 @@ def scanned(fn, d):
             q, s = fn(xi, a, b)
             return (q, s.reshape(-1)[:1]), None
         init = (jnp.zeros((ROWS, d), rq.FP8), jnp.zeros((1,), jnp.float32))
-        return lax.scan(body, init, jnp.arange(LAYERS))[0]
+        # Unrolled: the 60 calls back to back, with no loop condition read between them
+        # (a rolled loop adds ~10 us a call that the step, in a command buffer, does not).
+        return lax.scan(body, init, jnp.arange(LAYERS), unroll=unroll)[0]
     return jax.jit(scan)
 
 
@@ -92,6 +98,8 @@ def main():
     ap.add_argument("--cases", nargs="*", default=[f"{p}:{d}" for p, d, _ in CASES],
                     help="PROLOGUE:D of CASES")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rolled", dest="unroll", action="store_false",
+                    help="a rolled loop (the first benchmark's form) instead of 60 unrolled calls")
     args = ap.parse_args()
     cases = [c for c in CASES if f"{c[0]}:{c[1]}" in args.cases]
     key = jax.random.key(int(time.time()) % 2**31)
@@ -103,7 +111,8 @@ def main():
         a, b = jax.random.normal(ka, (d,)) * 0.1, jax.random.normal(kb, (d,)) * 0.1
         case = f"{prologue}:{d}"
         res["us"][case] = {}
-        fns = {name: scanned(fn, d) for name, fn in variants(prologue, args.layouts).items()}
+        fns = {name: scanned(fn, d, args.unroll)
+               for name, fn in variants(prologue, args.layouts).items()}
         for _ in range(2):  # two rounds, interleaved: drift shows as a difference
             for name, f in fns.items():
                 try:

@@ -49,13 +49,19 @@ KERNEL_NAME = "fp8_row_quantize"
 class Layout:
     """How the kernel covers the rows: ``rows_per_program`` rows per program (a power of
     two), each row in chunks of ``chunk`` lanes (a power of two; None: the row's next power
-    of two, one chunk), ``num_warps`` warps per program."""
+    of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
+    (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
+    that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
+    time, not the row; False keeps the row in registers, read once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
+    reload: bool = False
 
     def __post_init__(self):
+        if self.reload and self.chunk is None:
+            raise ValueError("Layout.reload loops over chunks: give a chunk size")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -118,45 +124,80 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
     else:
         q_ref, s_ref = refs
     r = layout.rows_per_program
-    r0 = pl.program_id(0) * r
-    row_ids = r0 + jnp.arange(r)
+    row_ids = pl.program_id(0) * r + jnp.arange(r)
     valid = row_ids < m  # [r]
-    # (start, lane indices): the last chunk's lanes past D are masked (indices, not slices,
-    # which may not run past the array).
-    chunks = [(c0, c0 + jnp.arange(chunk)) for c0 in range(0, d, chunk)]
-    xs = []
-    for c0, cols in chunks:
-        inside = cols < d
-        mask = valid[:, None] & inside[None, :]
-        xs.append(plt.load(x_ref.at[row_ids[:, None], cols[None, :]], mask=mask, other=0.0))
-    dtype = xs[0].dtype
-    hs = [xc.astype(jnp.float32) for xc in xs]
+    dtype = x_ref.dtype
+    n_chunks = -(-d // chunk)
+    memo = {}  # (kind, chunk) -> values, when the row stays in registers
+
+    def each(fn, init):
+        """fn(i, acc) folded over the chunks: a loop whose every pass loads its chunk again
+        (``Layout.reload``), or unrolled over values loaded once."""
+        if layout.reload:
+            return jax.lax.fori_loop(0, n_chunks, fn, init)
+        for i in range(n_chunks):
+            init = fn(i, init)
+        return init
+
+    def lanes(i):
+        # A chunk's lane indices (not a slice: the last chunk's lanes past D are masked,
+        # and a slice may not run past the array) and their mask.
+        cols = i * chunk + jnp.arange(chunk)
+        return cols, cols < d
+
+    def remembered(kind, fn):
+        """fn(i) once per chunk with the row in registers; every time with reload."""
+        if layout.reload:
+            return fn
+
+        def once(i):
+            if (kind, i) not in memo:
+                memo[(kind, i)] = fn(i)
+            return memo[(kind, i)]
+        return once
+
+    @functools.partial(remembered, "x")
+    def x_of(i):
+        cols, inside = lanes(i)
+        x = plt.load(x_ref.at[row_ids[:, None], cols[None, :]],
+                     mask=valid[:, None] & inside[None, :], other=0.0)
+        return x.astype(jnp.float32)
+
+    rstd = None
     if prologue == "norm":
-        sq = sum(jnp.sum(h * h, axis=1) for h in hs)  # [r]
+        sq = each(lambda i, acc: acc + jnp.sum(jnp.square(x_of(i)), axis=1),
+                  jnp.zeros((r,), jnp.float32))
         rstd = jax.lax.rsqrt(sq / d + eps)[:, None]
-        out = []
-        for (c0, cols), h in zip(chunks, hs):
-            inside = cols < d
+
+    @functools.partial(remembered, "h")
+    def h_of(i):
+        """The prologue's h [r, chunk] float32 (its x.dtype rounding kept), 0 in masked
+        lanes and rows past M."""
+        cols, inside = lanes(i)
+        h = x_of(i)
+        if prologue == "norm":
             shift = plt.load(shift_ref.at[cols], mask=inside, other=0.0)
             gain = plt.load(scale_ref.at[cols], mask=inside, other=0.0)
             normed = (h * rstd).astype(dtype).astype(jnp.float32)
-            out.append((normed * (1.0 + gain[None, :]) + shift[None, :])
-                       .astype(dtype).astype(jnp.float32))
-        hs = out
-    elif prologue == "gelu":
-        hs = [gelu_tanh(h).astype(dtype).astype(jnp.float32) for h in hs]
-    # Masked lanes and rows hold 0 (all three prologues keep 0 at 0 but 'norm', whose
-    # shift is loaded as 0 there; rows past M are zeroed here).
-    hs = [jnp.where(valid[:, None] & (cols < d)[None, :], h, 0.0)
-          for (_, cols), h in zip(chunks, hs)]
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h), axis=1) for h in hs])
+            h = (normed * (1.0 + gain[None, :]) + shift[None, :]).astype(dtype).astype(jnp.float32)
+        elif prologue == "gelu":
+            h = gelu_tanh(h).astype(dtype).astype(jnp.float32)
+        return jnp.where(valid[:, None] & inside[None, :], h, 0.0)
+
+    amax = each(lambda i, acc: jnp.maximum(acc, jnp.max(jnp.abs(h_of(i)), axis=1)),
+                jnp.zeros((r,), jnp.float32))
     s = jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX  # [r]
     inv = (1.0 / s)[:, None]
     stored = row_ids < rows_out
-    for (c0, cols), h in zip(chunks, hs):
-        q = jnp.clip(h * inv, -FP8_MAX, FP8_MAX).astype(FP8)
+
+    def store(i, carry):
+        cols, inside = lanes(i)
+        q = jnp.clip(h_of(i) * inv, -FP8_MAX, FP8_MAX).astype(FP8)
         plt.store(q_ref.at[row_ids[:, None], cols[None, :]], q,
-                  mask=stored[:, None] & (cols < d)[None, :])
+                  mask=stored[:, None] & inside[None, :])
+        return carry
+
+    each(store, 0)
     plt.store(s_ref.at[row_ids], jnp.where(valid, s, 0.0), mask=stored)
 
 
