@@ -6,11 +6,12 @@ characters-57b's shapes, each ``--layouts`` variant against XLA's fusions of the
   none  the attention output, 757 x 2304 (tp=4);
 and, for the block input, XLA's per-tensor quantization.
 
-Each variant runs 60 times inside one jitted ``lax.scan``, unrolled (``--rolled``: as a
-loop, which adds ~10 us a call of loop overhead), its output carried to the next
-iteration through an optimization barrier with the input, so every iteration's values are
-written; per call = scan time / 60, median of ``--repeats`` (host clock around
-``block_until_ready``, after a warm-up call), two interleaved rounds.
+Each variant runs 60 times inside one jitted ``lax.scan``: rolled, every output carried
+to the next call through an optimization barrier with its input (the loop's own ~10 us a
+call included, the same for every variant), or ``--unrolled`` for the kernels alone
+(``scanned`` says why XLA's fusions cannot be timed that way); per call = scan time / 60,
+median of ``--repeats`` (host clock around ``block_until_ready``, after a warm-up call),
+two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
 Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
@@ -67,18 +68,32 @@ def variants(prologue, layouts):
     return out
 
 
-def scanned(fn, d, unroll=True):
-    """fn run LAYERS times in one jitted lax.scan (compiled once, timed each round)."""
+def scanned(fn, d, unroll=False):
+    """fn run LAYERS times in one jitted lax.scan (compiled once, timed each round).
+
+    Rolled (default): the whole outputs are the loop's carry, tied to the next call's
+    input by an optimization barrier, so every call runs and writes all of them; the loop
+    adds its own per-iteration cost (~10 us on an H200), the same for every variant.
+    Unrolled (kernels only): the 60 calls back to back; each input is tied to a running
+    scalar of the earlier outputs, which keeps the opaque kernel calls distinct and live
+    (an XLA fusion there would be cut down to the one element read, so XLA variants are
+    not run unrolled)."""
+    if unroll:
+        def scan(x, a, b):
+            def body(acc, i):
+                xi, acc = lax.optimization_barrier((x, acc))
+                q, s = fn(xi, a, b)
+                return acc + s[0] + q[-1, -1].astype(jnp.float32), None
+            return lax.scan(body, jnp.float32(0), jnp.arange(LAYERS), unroll=True)[0]
+        return jax.jit(scan)
+
     def scan(x, a, b):
-        def body(acc, i):
-            # x tied to the running sum of every earlier call's outputs: no two calls are
-            # the same expression (XLA would merge them) and none is dead (it would drop it).
-            xi, acc = lax.optimization_barrier((x, acc))
+        def body(carry, i):
+            xi, _ = lax.optimization_barrier((x, carry))
             q, s = fn(xi, a, b)
-            return acc + s[0] + q[-1, -1].astype(jnp.float32), None
-        # Unrolled: the 60 calls back to back, with no loop condition read between them
-        # (a rolled loop adds ~10 us a call that the step, in a command buffer, does not).
-        return lax.scan(body, jnp.float32(0), jnp.arange(LAYERS), unroll=unroll)[0]
+            return (q, s.reshape(-1)[:1]), None
+        init = (jnp.zeros((ROWS, d), rq.FP8), jnp.zeros((1,), jnp.float32))
+        return lax.scan(body, init, jnp.arange(LAYERS))[0]
     return jax.jit(scan)
 
 
@@ -99,8 +114,8 @@ def main():
     ap.add_argument("--cases", nargs="*", default=[f"{p}:{d}" for p, d, _ in CASES],
                     help="PROLOGUE:D of CASES")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--rolled", dest="unroll", action="store_false",
-                    help="a rolled loop (the first benchmark's form) instead of 60 unrolled calls")
+    ap.add_argument("--unrolled", dest="unroll", action="store_true",
+                    help="60 unrolled calls, kernels only (no loop overhead; see scanned)")
     args = ap.parse_args()
     cases = [c for c in CASES if f"{c[0]}:{c[1]}" in args.cases]
     key = jax.random.key(int(time.time()) % 2**31)
@@ -113,7 +128,8 @@ def main():
         case = f"{prologue}:{d}"
         res["us"][case] = {}
         fns = {name: scanned(fn, d, args.unroll)
-               for name, fn in variants(prologue, args.layouts).items()}
+               for name, fn in variants(prologue, args.layouts).items()
+               if not (args.unroll and name.startswith("xla"))}
         for _ in range(2):  # two rounds, interleaved: drift shows as a difference
             for name, f in fns.items():
                 try:
@@ -126,9 +142,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "row_quantize.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(f"us per call, {M} rows -> {ROWS} (two rounds), x = / xla_row")
+    res["unrolled"] = args.unroll
+    print(f"us per call, {M} rows -> {ROWS} (two rounds), x = / "
+          + ("the first layout" if args.unroll else "xla_row"))
     for case, table in res["us"].items():
-        base = min(table["xla_row"])
+        base = min(next(iter(table.values())) if args.unroll else table["xla_row"])
         for name, us in table.items():
             print(f"{case:12s} {name:12s} {us[0]:8.1f} {us[1]:8.1f}   x{min(us) / base:.2f}")
 
