@@ -527,15 +527,32 @@ def _prepare_inputs_v_in_kernel(q, k_scale, v_scale, valid, block_kv, q_split=Tr
     return _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q=False)
 
 
-def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q):
-    """FP8 Q parts, a tuple of P arrays [Tq, H, D] (or [Tq', H, D], Tq' = Tq rounded up to
-    128, with pad_q), scales [H, 2, Tq'] f32 (row 0: logit factor in the log2 domain, row 1:
-    output factor) and the slot bias [S'] f32 (S' = S rounded up to block_kv).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedQ:
+    """Q already in the kernel's form: ``parts`` a tuple of one or two e4m3 [Tq, H, D]
+    arrays (hi, and lo = e4m3(q / s - hi) with Q's split), ``row_scale`` [Tq, H] float32
+    (s = a (row, head)'s absolute maximum / 448): q ~ (hi + lo) * s. Made by
+    :func:`quantize_q`, or by a kernel that produces Q (``pallas_kernels.fp8_qkv_prepare``)."""
 
-    The parts are separate kernel operands, not one stacked array: a stack costs XLA a
-    concatenate pass over both parts per call (9 us at 18 heads, 17 us at 36 in GPU run 2)."""
-    tq, h, d = q.shape
-    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    parts: tuple
+    row_scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.parts[0].shape
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.bfloat16)  # the attention output's
+
+    def dequantize(self, dtype=jnp.float32):
+        q = sum(p.astype(jnp.float32) for p in self.parts) * self.row_scale[..., None]
+        return q.astype(dtype)
+
+
+def quantize_q(q, q_split: bool = True) -> QuantizedQ:
+    """q [Tq, H, D] float -> the kernel's e4m3 Q parts and row scales (:class:`QuantizedQ`)."""
     qf = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(qf), axis=-1)  # [Tq, H]
     q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
@@ -544,7 +561,22 @@ def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q)
     # The barrier keeps XLA from folding f32 -> e4m3 -> f32 into a no-op (GPU XLA allows
     # excess precision), which silently made lo == 0 in the first GPU run.
     hi_f32 = lax.optimization_barrier(q_hi).astype(jnp.float32)
-    q8 = (q_hi, (qs - hi_f32).astype(F8)) if q_split else (q_hi,)
+    return QuantizedQ((q_hi, (qs - hi_f32).astype(F8)) if q_split else (q_hi,), q_rs)
+
+
+def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q):
+    """FP8 Q parts, a tuple of P arrays [Tq, H, D] (or [Tq', H, D], Tq' = Tq rounded up to
+    128, with pad_q), scales [H, 2, Tq'] f32 (row 0: logit factor in the log2 domain, row 1:
+    output factor) and the slot bias [S'] f32 (S' = S rounded up to block_kv). q: float,
+    or a :class:`QuantizedQ` (its parts used as they are).
+
+    The parts are separate kernel operands, not one stacked array: a stack costs XLA a
+    concatenate pass over both parts per call (9 us at 18 heads, 17 us at 36 in GPU run 2)."""
+    tq, h, d = q.shape
+    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    if not isinstance(q, QuantizedQ):
+        q = quantize_q(q, q_split)
+    q8, q_rs = q.parts, q.row_scale
     if pad_q:
         q8 = tuple(jnp.pad(p, ((0, tq_pad - tq), (0, 0), (0, 0))) for p in q8)
     head_sc = _head_scales(k_scale, v_scale, valid, d)  # [H, 2]
@@ -1645,6 +1677,8 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, clip_out: 
     """
     tq, h, d = q.shape
     o = KernelOptions(**options)
+    if isinstance(q, QuantizedQ) and (o.q_in_kernel or len(q.parts) != (2 if o.q_split else 1)):
+        raise ValueError(f"a QuantizedQ of {len(q.parts)} parts does not fit options {o}")
     if o.v_transposed and not o.v_in_kernel:
         raise ValueError("v_transposed needs v_in_kernel=True")
     if k.dtype != F8 or v.dtype != F8:
@@ -1706,7 +1740,8 @@ def _layer_of(x, layer):
 
 def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=None,
               v_transposed: bool = False, padded_out: bool = False) -> jax.Array:
-    """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied); k, v: [S, H, D] float8_e4m3fn
+    """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied), or a :class:`QuantizedQ`
+    (the kernels' e4m3 parts, made elsewhere; the other impls dequantize it); k, v: [S, H, D] float8_e4m3fn
     (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
     scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
     layer: None, or an int32 scalar (may be traced); then k and v are the cache's whole
@@ -1722,6 +1757,8 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     (the kernel with P from ex2 + cvt and the eager rescale) | 'cudnn' | 'xla'.
     'auto' picks the Pallas kernel on an NVIDIA Hopper GPU for FP8 K/V and the reference elsewhere."""
     impl = resolve_impl(impl, k.dtype, q.shape[-1])
+    if isinstance(q, QuantizedQ) and impl not in PALLAS_IMPLS:
+        q = q.dequantize(jnp.bfloat16)
     if layer is not None and k.ndim != 4:
         raise ValueError(f"with layer, k and v must be [L, S, H, D] stacks, got {k.shape}")
     if impl in PALLAS_IMPLS:

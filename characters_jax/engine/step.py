@@ -33,7 +33,7 @@ from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
-from pallas_kernels import fp8_row_quantize
+from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,13 @@ class EngineOptions:
     GELU, the attention output, each with its rows' maxima and e4m3 in the same pass;
     NVIDIA GPUs of compute capability 8.9+) | 'pallas-norm' (the block input's kernel only,
     the rest by XLA) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and runs,
-    else xla)."""
+    else xla);
+    qkv_prep: how a step turns the qkv projection's output into the attention's operands:
+    'pallas' (one kernel, `pallas_kernels.fp8_qkv_prepare`: QK-norm, RoPE, Q's e4m3 parts
+    and K/V written into the FP8 ring cache; needs the ring FP8 cache with plain V read in
+    place by the Pallas attention, 'pallas' or 'pallas-exp2', on a GPU with the kernel) |
+    'xla' (the model's code) | 'auto' (pallas where it applies and runs). Prefill always
+    takes the model's code (it fixes the cache's scales from the data first)."""
 
     attention: str = "auto"
     reduce: str = "auto"
@@ -71,6 +77,7 @@ class EngineOptions:
     noise_ulp_seed: int | None = None
     v_cache: str = "plain"
     input_quant: str = "auto"
+    qkv_prep: str = "xla"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
@@ -79,11 +86,16 @@ class EngineOptions:
             raise ValueError(f"v_cache must be one of {V_CACHE_MODES}, got {self.v_cache!r}")
         if self.input_quant not in INPUT_QUANT_MODES:
             raise ValueError(f"input_quant must be one of {INPUT_QUANT_MODES}, got {self.input_quant!r}")
+        if self.qkv_prep not in QKV_PREP_MODES:
+            raise ValueError(f"qkv_prep must be one of {QKV_PREP_MODES}, got {self.qkv_prep!r}")
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
 V_CACHE_MODES = ("plain", "transposed")
 INPUT_QUANT_MODES = ("auto", "xla", "pallas", "pallas-norm")
+QKV_PREP_MODES = ("auto", "xla", "pallas")
+# Attention impls that take Q as the fused qkv kernel makes it (fp8_attention.QuantizedQ).
+QKV_PREP_ATTENTION = ("pallas", "pallas-exp2")
 # The modes that run fp8_row_quantize kernels.
 PALLAS_INPUT_QUANT = ("pallas", "pallas-norm")
 
@@ -104,6 +116,26 @@ def resolve_input_quant(input_quant: str, model) -> str:
                               "capability 8.9+")
         return input_quant
     return "pallas" if applies and fp8_row_quantize.is_supported() else "xla"
+
+
+def resolve_qkv_prep(qkv_prep: str, layout: kvc.CacheLayout, options) -> str:
+    """'pallas' or 'xla' (``EngineOptions.qkv_prep``); 'pallas' asked for where it cannot
+    run: ConfigError naming what is missing."""
+    if qkv_prep == "xla":
+        return "xla"
+    attention_impl = resolve_attention(options.attention, kvc.FP8, layout.head_dim)
+    missing = [why for ok, why in (
+        (layout.mode == "ring" and layout.quantized, "the ring FP8 cache"),
+        (not layout.v_transposed, "plain V (v_cache='plain')"),
+        (options.kv_in_place, "K/V read in place (kv_in_place)"),
+        (attention_impl in QKV_PREP_ATTENTION, f"attention {QKV_PREP_ATTENTION}"),
+        (fp8_qkv_prepare.is_supported(), "an NVIDIA GPU of compute capability 8.9+"),
+    ) if not ok]
+    if not missing:
+        return "pallas"
+    if qkv_prep == "pallas":
+        raise ConfigError("qkv_prep='pallas' needs " + ", ".join(missing))
+    return "xla"
 
 
 def block_activations(input_quant: str) -> BlockActivations:
@@ -207,6 +239,7 @@ class Engine:
         layout = kvc.CacheLayout.from_config(cfg)
         check_attention(options.attention, layout)
         self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
+        self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
@@ -299,7 +332,23 @@ class Engine:
                     o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
                 return o, c
 
-            return block(x, shared_mod, attend, reduce, layer=layer, activations=activations)
+            def attend_qkv(qkv, t, q_gain, k_gain, eps):
+                # One kernel from qkv to Q's e4m3 parts and the cache's new K/V rows.
+                c = cache
+                with jax.named_scope("cache_upkeep"):
+                    q8, ck, cv = fp8_qkv_prepare.prepare_qkv(
+                        qkv, q_gain, k_gain, *rope, c.k_scale[layer], c.v_scale[layer],
+                        layout.from_storage(c.k), layout.from_storage(c.v), layer, offset,
+                        t=t, heads=c.k.shape[2], eps=eps, impl="pallas")
+                    c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
+                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=True)
+                with jax.named_scope("attention"):
+                    o = attention(q8, kk, vv, ks, vs, valid, impl=opts.attention, layer=layer, padded_out=self.input_quant == "pallas")
+                return o, c
+
+            fused_qkv = self.qkv_prep == "pallas" and token_valid is None  # steps, not prefill
+            return block(x, shared_mod, attend, reduce, layer=layer, activations=activations,
+                         attend_qkv=attend_qkv if fused_qkv else None)
 
         return block_fn
 

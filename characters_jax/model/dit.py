@@ -34,6 +34,10 @@ TIME_FREQ_DIM = 256
 # if any, are a kernel's padding, not read). The engine's closure
 # writes k/v into the cache and attends over it; aux carries the updated cache.
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
+# attend_qkv(qkv, t, q_gain, k_gain, eps) -> (o, aux): the same from the qkv projection's output
+# qkv [Ty >= T, H_local * 3 * D] (rows past t padding), with the QK-norm gains [D] float32 and
+# eps: the engine's fused path (pallas_kernels.fp8_qkv_prepare) does the norms itself.
+AttendQkvFn = Callable[[jax.Array, int, jax.Array, jax.Array, float], tuple[jax.Array, object]]
 # reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
 ReduceFn = Callable[[list], jax.Array]
 
@@ -165,21 +169,27 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn,
                  layer: jax.Array | None = None,
-                 activations: BlockActivations = DEFAULT_ACTIVATIONS):
+                 activations: BlockActivations = DEFAULT_ACTIVATIONS,
+                 attend_qkv: AttendQkvFn | None = None):
         """x: [T, d] (replicated); shared_mod: [3, d] float32; layer: [] int32, used when the
         projections hold the whole layer stack; activations: how the GEMMs' inputs are made
-        (``BlockActivations``). Returns (x', aux from attend)."""
+        (``BlockActivations``); attend_qkv: given, it takes the qkv projection's output as
+        it is, QK-norm included (``AttendQkvFn``), in place of the norms here and
+        ``attend``. Returns (x', aux from attend)."""
         t = x.shape[0]
         acts = activations
         mod = shared_mod + self.modulation[...]
         h = acts.block_input(x, mod[0], mod[1], self.eps)
         proj = dict(out_dtype=x.dtype, layer=layer, act_scale=self.act_scale)
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv(h, **proj)[:t].reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
-        q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
-        k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
-        v = qkv[:, :, 2]
-        o, aux = attend(q, k, v)
+            qkv = self.qkv(h, **proj)  # [Ty >= T, H_local * 3 * D]
+        if attend_qkv is not None:
+            o, aux = attend_qkv(qkv, t, self.q_norm[...], self.k_norm[...], self.eps)
+        else:
+            qkv = qkv[:t].reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
+            q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
+            k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
+            o, aux = attend(q, k, qkv[:, :, 2])
         with jax.named_scope("mlp_up"):
             hidden = acts.mlp_hidden(self.up(h, **proj), t)
         o = acts.attention_out(o.astype(x.dtype), t)

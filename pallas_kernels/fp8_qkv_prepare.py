@@ -1,0 +1,180 @@
+"""From the qkv projection's output to the FP8 attention's operands in one pass (Pallas,
+Triton), and the reference.
+
+After a block's qkv GEMM, a step of the ring cache does, per token and head:
+  q = rope(rms_norm(q) * q_gain), then Q's e4m3 parts and row scale for the attention kernel
+      (``fp8_attention.quantize_q``);
+  k = rope(rms_norm(k) * k_gain), then e4m3 with the layer's fixed K scale, written into the
+      ring cache at the frame's slots (``kv_cache.write``);
+  v = e4m3 with the layer's V scale, written likewise.
+XLA runs that as ~8 kernels per block pass (the q/k slices converted to float32, the norms'
+gains, Q's maximum, its two e4m3 parts, the two cache updates: ~30 us at tp=4's 18 heads
+on an H200, BUILD_NOTES). Here one program per token reads its 3 x H x D values once and
+writes Q's parts and scales and the cache's K and V rows in place (the two caches are
+aliased to the outputs).
+
+The arithmetic is the model's, in its order and dtypes: the norm in float32 rounded to
+bf16, times the bf16 gain rounded to bf16, the rotation in float32 rounded to bf16, then
+Q's scale s = max(amax, 1e-30) / 448, hi = e4m3(q / s), lo = e4m3(q / s - hi); K and V
+divided by their scales, clipped to +-448, e4m3. ``reference`` is that model code.
+
+Shapes and dtypes (per tensor-parallel shard):
+  qkv       [Ty >= T, H * 3 * D] bfloat16 (the GEMM's output; rows from T on not read)
+  q_gain, k_gain [D] float32; cos, sin [T, D / 2] float32 (``rope.rope_angles``)
+  k_scale, v_scale [H] float32 (this layer's); cache_k, cache_v [L, S, H, D] float8_e4m3fn
+  layer, offset  [] int32: the block, and the first of the T slots written
+  out       (QuantizedQ (parts [T, H, D] e4m3 x 1 or 2, row_scale [T, H] f32), cache_k, cache_v)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_attention import F8, F8_MAX, QuantizedQ, quantize_q
+
+IMPLS = ("auto", "pallas", "reference", "interpret")
+KERNEL_NAME = "fp8_qkv_prepare"
+
+
+def is_supported() -> bool:
+    """The Triton kernel's e4m3 conversion needs an NVIDIA GPU of compute capability 8.9+."""
+    from pallas_kernels.fp8_row_quantize import is_supported as triton_fp8
+
+    return triton_fp8()
+
+
+def _split(qkv, t, heads, head_dim):
+    x = qkv[:t].reshape(t, heads, 3, head_dim)
+    return x[:, :, 0], x[:, :, 1], x[:, :, 2]
+
+
+def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
+              offset, *, t: int, heads: int, eps: float, q_split: bool = True):
+    """The model's code: QK-norm (``dit.rms_norm`` times the gain in qkv's dtype), RoPE
+    (``rope.rotate``), ``fp8_attention.quantize_q``, ``kv_cache.quantize`` and the
+    in-place update of the cache rows [layer, offset : offset + t]."""
+    from characters_jax.cache.kv_cache import quantize
+    from characters_jax.model.dit import rms_norm
+    from characters_jax.model.rope import rotate
+
+    d = cache_k.shape[-1]
+    q, k, v = _split(qkv, t, heads, d)
+    q = rotate(rms_norm(q, eps) * q_gain.astype(qkv.dtype), (cos, sin))
+    k = rotate(rms_norm(k, eps) * k_gain.astype(qkv.dtype), (cos, sin))
+    start = (layer, offset, jnp.int32(0), jnp.int32(0))
+    cache_k = jax.lax.dynamic_update_slice(cache_k, quantize(k, k_scale)[None], start)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, quantize(v, v_scale)[None], start)
+    return quantize_q(q, q_split), cache_k, cache_v
+
+
+def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, pos_ref, _ck, _cv,
+            *out_refs, heads: int, hp: int, d: int, eps: float, q_split: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    *q_refs, qrs_ref, ck_ref, cv_ref = out_refs
+    t = pl.program_id(0)
+    half = d // 2
+    dtype = qkv_ref.dtype
+    h = jnp.arange(hp)[:, None]  # [hp, 1]
+    lane = jnp.arange(half)[None, :]  # [1, half]
+    hm = (h < heads) & (lane >= 0)  # [hp, half]
+    tok = jnp.zeros_like(h) + t
+
+    def load(j, side):
+        """Part j (0 q, 1 k, 2 v) of every head, lanes [side * half, (side + 1) * half)."""
+        cols = h * (3 * d) + j * d + side * half + lane
+        return plt.load(qkv_ref.at[tok, cols], mask=hm, other=0.0).astype(jnp.float32)
+
+    lanes1 = jnp.arange(half)
+    cos = plt.load(cos_ref.at[t, lanes1])[None, :]
+    sin = plt.load(sin_ref.at[t, lanes1])[None, :]
+
+    def bf16(x):
+        return x.astype(dtype).astype(jnp.float32)
+
+    def norm_rope(j, gain_ref):
+        a, b = load(j, 0), load(j, 1)
+        rstd = jax.lax.rsqrt((jnp.sum(a * a, axis=1) + jnp.sum(b * b, axis=1))[:, None] / d
+                             + eps)
+        ga = bf16(plt.load(gain_ref.at[lanes1]))[None, :]
+        gb = bf16(plt.load(gain_ref.at[half + lanes1]))[None, :]
+        a, b = bf16(bf16(a * rstd) * ga), bf16(bf16(b * rstd) * gb)
+        return bf16(a * cos - b * sin), bf16(a * sin + b * cos)
+
+    # Q: its parts and row scale, as fp8_attention.quantize_q.
+    qa, qb = norm_rope(0, qg_ref)
+    amax = jnp.maximum(jnp.max(jnp.abs(qa), axis=1), jnp.max(jnp.abs(qb), axis=1))  # [hp]
+    q_rs = jnp.maximum(amax, 1e-30) / F8_MAX
+    for side, x in enumerate((qa, qb)):
+        qs = x / q_rs[:, None]
+        hi = qs.astype(F8)
+        idx = (tok, h, side * half + lane)
+        plt.store(q_refs[0].at[idx], hi, mask=hm)
+        if q_split:
+            plt.store(q_refs[1].at[idx], (qs - hi.astype(jnp.float32)).astype(F8), mask=hm)
+    plt.store(qrs_ref.at[t, jnp.arange(hp)], q_rs, mask=jnp.arange(hp) < heads)
+
+    # K and V into the cache rows [layer, offset + t].
+    layer, offset = pos_ref[0], pos_ref[1]
+    slot = jnp.zeros_like(h) + offset + t
+    lyr = jnp.zeros_like(h) + layer
+    hs = jnp.minimum(jnp.arange(hp), heads - 1)
+    k_s = plt.load(ks_ref.at[hs])[:, None]
+    v_s = plt.load(vs_ref.at[hs])[:, None]
+    ka, kb = norm_rope(1, kg_ref)
+    for side, (kx, vx) in enumerate(((ka, load(2, 0)), (kb, load(2, 1)))):
+        idx = (lyr, slot, h, side * half + lane)
+        plt.store(ck_ref.at[idx], jnp.clip(kx / k_s, -F8_MAX, F8_MAX).astype(F8), mask=hm)
+        plt.store(cv_ref.at[idx], jnp.clip(vx / v_s, -F8_MAX, F8_MAX).astype(F8), mask=hm)
+
+
+def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
+                offset, *, t: int, heads: int, eps: float, q_split: bool = True,
+                impl: str = "auto", num_warps: int = 4):
+    """(QuantizedQ, cache_k, cache_v) of the module docstring; the caches are updated in
+    place by the kernel (aliased), by ``dynamic_update_slice`` in the reference.
+
+    impl: 'auto' (the Triton kernel on a GPU that has it, else the reference) | 'pallas' |
+    'reference' | 'interpret' (the kernel under the Pallas interpreter, CPU)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    d = cache_k.shape[-1]
+    if qkv.ndim != 2 or qkv.shape[1] != heads * 3 * d or qkv.shape[0] < t:
+        raise ValueError(f"want qkv [>= {t}, {heads * 3 * d}], got {qkv.shape}")
+    if cache_k.dtype != F8 or cache_v.dtype != F8 or cache_k.shape != cache_v.shape \
+            or cache_k.shape[2] != heads or d % 2:
+        raise ValueError(f"want e4m3 caches [L, S, {heads}, D], got {cache_k.shape} "
+                         f"{cache_k.dtype} and {cache_v.shape} {cache_v.dtype}")
+    if cos.shape != (t, d // 2) or sin.shape != (t, d // 2):
+        raise ValueError(f"want cos, sin [{t}, {d // 2}], got {cos.shape}, {sin.shape}")
+    if impl == "auto":
+        impl = "pallas" if is_supported() else "reference"
+    args = (qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer, offset)
+    if impl == "reference":
+        return reference(*args, t=t, heads=heads, eps=eps, q_split=q_split)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    pos = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(offset, jnp.int32)])
+    parts = 2 if q_split else 1
+    kernel = functools.partial(_kernel, heads=heads, hp=pl.next_power_of_2(heads), d=d,
+                               eps=eps, q_split=q_split)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(t,),
+        out_shape=(*[jax.ShapeDtypeStruct((t, heads, d), F8)] * parts,
+                   jax.ShapeDtypeStruct((t, heads), jnp.float32),
+                   jax.ShapeDtypeStruct(cache_k.shape, F8),
+                   jax.ShapeDtypeStruct(cache_v.shape, F8)),
+        input_output_aliases={8: parts + 1, 9: parts + 2},
+        compiler_params=plt.CompilerParams(num_warps=num_warps),
+        interpret=impl == "interpret",
+        name=KERNEL_NAME,
+    )(qkv, f32(q_gain), f32(k_gain), f32(cos), f32(sin), f32(k_scale), f32(v_scale), pos,
+      cache_k, cache_v)
+    return QuantizedQ(tuple(outs[:parts]), outs[parts]), outs[parts + 1], outs[parts + 2]
