@@ -25,7 +25,10 @@
 #                     MLP hidden and attention output by XLA (--input-quant pallas-norm; not in
 #                     the default VARIANTS)
 #        ring_fused_qkv as ring_fused_row, a step's QK-norm, RoPE, Q quantization and K/V cache
-#                     write as one Pallas kernel (--qkv-prep pallas; not in the default VARIANTS)
+#                     write as one Pallas kernel (--qkv-prep pallas, what auto picks on Hopper;
+#                     not in the default VARIANTS)
+#        ring_fused_xqkv as ring_fused_row, those by the model's code (--qkv-prep xla; not
+#                     in the default VARIANTS)
 #        ring_fused_tensor as ring_fused, FP8 activations quantized per tensor (--activation-scale
 #                     tensor; characters-57b's config says 'row'; not in the default VARIANTS)
 #   2. one block, PyTorch vs JAX (benchmarks/torch_block_reference.py)
@@ -115,6 +118,7 @@ for v in $VARIANTS; do
     ring_fused_row_xla) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant xla) ;;
     ring_fused_row_norm) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant pallas-norm) ;;
     ring_fused_qkv) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --qkv-prep pallas) ;;
+    ring_fused_xqkv) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --qkv-prep xla) ;;
     *) echo "unknown variant $v"; continue ;;
   esac
   guarded "step57b_$v" "${V_LIMIT_S:-110}" "${BENCH[@]}" --config "$CONFIG" --tp "$TP" "${opts[@]}" \

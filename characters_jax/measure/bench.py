@@ -245,7 +245,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
     p.add_argument("--input-quant", choices=("auto", "xla", "pallas", "pallas-norm"), default="auto",
                    help="FP8 weights with per-row activation scales: each GEMM input's last elementwise step + quantization as one Pallas kernel (pallas), the block input's only (pallas-norm), XLA's fusions (xla), or auto")
-    p.add_argument("--qkv-prep", choices=("auto", "xla", "pallas"), default="xla",
+    p.add_argument("--qkv-prep", choices=("auto", "xla", "pallas"), default="auto",
                    help="a step's QK-norm, RoPE, Q quantization and K/V cache write as one Pallas kernel (pallas), the model's code (xla), or auto")
     p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
                    help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
