@@ -26,3 +26,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def engine_latents():
+    """run(cfg, options, tp=2, steps=3) -> [steps, ...] float32: a session of the generator
+    (a fixed reference image, prompt and seed), then ``steps`` steps of fixed audio."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from characters_jax.engine.generator import DiTGenerator
+
+    def run(cfg, options, tp=2, steps=3):
+        gen = DiTGenerator(cfg, tp=tp, options=options)
+        rs = np.random.RandomState(0)
+        gen.start_session(rs.randn(cfg.video.grid_h, cfg.video.grid_w,
+                                   cfg.model.latent_channels).astype(np.float32),
+                          list(b"hi"), seed=1)
+        audio = rs.randn(steps, cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)
+        return gen, np.stack([np.asarray(gen.step(jnp.asarray(a, jnp.float32)))
+                              for a in audio])
+
+    return run

@@ -154,7 +154,7 @@ def test_kernel_on_gpu_matches_the_programs_roundings():
     _check(out, args, kw, seed)
 
 
-def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch):
+def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch, engine_latents):
     """qkv_prep='pallas' in the engine's steps at tp=2 (the kernel under the interpreter in
     place of the GPU; the reference attention, allowed to take its Q for the test): the
     latents of the model's code, to the e4m3 split of Q. Prefill keeps the model's code."""
@@ -163,28 +163,18 @@ def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch):
     from characters_jax.engine.generator import DiTGenerator
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})
+    options = lambda mode: st.EngineOptions(qkv_prep=mode, attention="reference")  # noqa: E731
     with pytest.raises(ConfigError, match="attention"):
-        st.EngineOptions(qkv_prep="pallas", attention="reference")  # fine as options
-        DiTGenerator(cfg, tp=2, options=st.EngineOptions(qkv_prep="pallas",
-                                                         attention="reference"))
-
-    def run(qkv_prep):
-        gen = DiTGenerator(cfg, tp=2, options=st.EngineOptions(qkv_prep=qkv_prep,
-                                                               attention="reference"))
-        assert gen.engine.qkv_prep == qkv_prep
-        rs = np.random.RandomState(0)
-        gen.start_session(rs.randn(cfg.video.grid_h, cfg.video.grid_w,
-                                   cfg.model.latent_channels).astype(np.float32), list(b"hi"), seed=1)
-        audio = rs.randn(3, cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)
-        return np.stack([np.asarray(gen.step(jnp.asarray(a, jnp.float32))) for a in audio])
-
-    base = run("xla")
+        DiTGenerator(cfg, tp=2, options=options("pallas"))
+    gen, base = engine_latents(cfg, options("xla"))
+    assert gen.engine.qkv_prep == "xla"
     monkeypatch.setattr(st, "QKV_PREP_ATTENTION", ("reference",))
     monkeypatch.setattr(qp, "is_supported", lambda: True)
     real, traced = qp.prepare_qkv, []
     monkeypatch.setattr(qp, "prepare_qkv", lambda *a, **k: traced.append(k["t"]) or real(
         *a, **{**k, "impl": "interpret"}))
-    fused = run("pallas")
+    gen, fused = engine_latents(cfg, options("pallas"))
+    assert gen.engine.qkv_prep == "pallas"
     assert traced and set(traced) == {cfg.video.tokens_per_frame + cfg.model.audio_tokens_per_step}
     assert np.isfinite(fused).all()
     diff = np.linalg.norm(fused - base) / np.linalg.norm(base)

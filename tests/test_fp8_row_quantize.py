@@ -274,33 +274,24 @@ def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
     assert (q32[:m] != hq.astype(np.float32)).mean() < 2e-3, seed
 
 
-def test_engine_step_with_the_kernel_matches_xla(monkeypatch):
+def test_engine_step_with_the_kernel_matches_xla(monkeypatch, engine_latents):
     """The engine's input_quant='pallas' path (all three kernels), prefill and steps at tp=2
     (the kernels under the interpreter in place of the GPU, inside the step's shard_map,
     their padded FP8 rows through the row-parallel reduction): the same latents as
     XLA's per-row quantization, to FP8 rounding (the kernel rounds the norm to bf16 as the
     program says; XLA's CPU code does too, so they agree closely)."""
     from characters_jax.config import load_config
-    from characters_jax.engine.generator import DiTGenerator
     from characters_jax.engine.step import EngineOptions
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16",
                                              "activation_scale": "row"})
-
-    def run(input_quant):
-        gen = DiTGenerator(cfg, tp=2, options=EngineOptions(input_quant=input_quant))
-        assert gen.engine.input_quant == input_quant
-        rs = np.random.RandomState(0)
-        gen.start_session(rs.randn(cfg.video.grid_h, cfg.video.grid_w,
-                                   cfg.model.latent_channels).astype(np.float32), list(b"hi"), seed=1)
-        audio = rs.randn(3, cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)
-        return np.stack([np.asarray(gen.step(jnp.asarray(a, jnp.float32))) for a in audio])
-
-    xla = run("xla")
+    gen, xla = engine_latents(cfg, EngineOptions(input_quant="xla"))
+    assert gen.engine.input_quant == "xla"
     monkeypatch.setattr(rq, "is_supported", lambda: True)
     real_pallas = rq._pallas
     monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real_pallas(*a, **{**k, "interpret": True}))
-    fused = run("pallas")
+    gen, fused = engine_latents(cfg, EngineOptions(input_quant="pallas"))
+    assert gen.engine.input_quant == "pallas"
     assert np.isfinite(fused).all()
     diff = np.linalg.norm(fused - xla) / np.linalg.norm(xla)
     print(f"kernel vs XLA block input: {diff:.2e}")
