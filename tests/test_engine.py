@@ -157,6 +157,17 @@ def test_bad_session_inputs_are_rejected():
         gen.start_session(image[:2], [1])
 
 
+def test_fused_reduction_by_name_needs_fp8_weights():
+    """reduce='pallas' / 'pallas-stream-k' named for float weights: a ConfigError at
+    construction, not an error from inside the first trace."""
+    from characters_jax.config import ConfigError
+
+    assert CFG.model.weight_dtype != "fp8"
+    for method in ("pallas", "pallas-stream-k"):
+        with pytest.raises(ConfigError, match="weight_dtype"):
+            DiTGenerator(CFG, tp=2, options=EngineOptions(reduce=method))
+
+
 def test_stacked_gemm_reads_the_same_weights():
     """gemm='stacked' (projection weights read in place from the layer stack) computes the
     same step as the per-layer slices of the scan; FP8 weights, bf16 activations. With

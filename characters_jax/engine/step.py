@@ -29,7 +29,7 @@ from characters_jax.engine.state import StepState, empty_state, frame_positions,
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
-from characters_jax.parallel.row_parallel import row_parallel_matmul_reduce
+from characters_jax.parallel.row_parallel import FUSED_METHODS, row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
@@ -240,6 +240,9 @@ class Engine:
         self.input_quant = resolve_input_quant(options.input_quant, cfg.model)
         layout = kvc.CacheLayout.from_config(cfg)
         check_attention(options.attention, layout)
+        if options.reduce in FUSED_METHODS and cfg.model.weight_dtype != "fp8":
+            raise ConfigError(f"reduce={options.reduce!r} runs the fused FP8 GEMM + all-reduce: "
+                              f"needs model.weight_dtype='fp8', got {cfg.model.weight_dtype!r}")
         self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
         self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
         m = cfg.model
