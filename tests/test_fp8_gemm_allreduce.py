@@ -30,12 +30,16 @@ def _operands(seed, tp, m, k, n):
     return x8, w8, ref
 
 
-def _fused(mesh, use_kernel, config=fused.Config()):
-    def body(x, w):
-        return fused.gemm_allreduce(x, w, jnp.float32(1 / 32), x_scale=jnp.float32(1 / 16),
+def _fused(mesh, use_kernel, config=fused.Config(), rows=None):
+    """The fused call inside shard_map; rows: None (x's scale 1/16 per tensor) or [R]
+    per-row scales of x (R <= M; rows from R on scaled by 0), replicated."""
+    def body(x, w, *r):
+        x_scale = r[0] / 16 if r else jnp.float32(1 / 16)
+        return fused.gemm_allreduce(x, w, jnp.float32(1 / 32), x_scale=x_scale,
                                     use_kernel=use_kernel, config=config)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
-                                 out_specs=P(), check_vma=False))
+    specs = (P(None, "tp"), P(None, "tp")) + ((P(),) if rows is not None else ())
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False))
+    return f if rows is None else (lambda x, w: f(x, w, rows))
 
 
 def _rel_err(out, ref):
@@ -71,6 +75,32 @@ def test_kernel_lowers_for_cuda_point_to_point_only(tp, config):
     assert "multimem" not in text and "multicast" not in text
 
 
+@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.STREAM_K_CONFIG],
+                         ids=["run1", "stream_k"])
+def test_per_row_scales_reach_the_fused_kernel_at_tp(tp, config):
+    """x quantized per row (757 scales for 757 rows): both fused schedules take them as an
+    operand at tp >= 2 (lowered for CUDA, point to point only); the fallback scales each row."""
+    mesh = _mesh(tp)
+    spec = NamedSharding(mesh, P(None, "tp"))
+    x = jax.ShapeDtypeStruct((757, 256 * tp), jnp.float8_e4m3fn, sharding=spec)
+    w = jax.ShapeDtypeStruct((512, 256 * tp), jnp.float8_e4m3fn, sharding=spec)
+    f = jax.jit(jax.shard_map(
+        lambda x, w, r: fused.gemm_allreduce(x, w, jnp.float32(1 / 32), x_scale=r,
+                                             use_kernel=True, config=config),
+        mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp"), P()), out_specs=P(), check_vma=False))
+    text = f.trace(x, w, jax.ShapeDtypeStruct((757,), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1 and "tensor<757xf32>" in calls[0].rsplit(":", 1)[-1].split("->")[0]
+    assert "multimem" not in text and "multicast" not in text
+    x8, w8, ref = _operands(np.random.SeedSequence().entropy % 2**31, tp, 37, 32, 48)
+    r = jax.random.uniform(jax.random.key(1), (35,), minval=0.5, maxval=2.0)
+    out = _fused(mesh, use_kernel=False, rows=r)(x8, w8)
+    want = ref * np.pad(np.asarray(r, np.float64), (0, 2))[:, None]
+    assert _rel_err(out, want) < 1e-2 and not np.asarray(out[35:], np.float32).any()
+
+
 def test_bad_tiles_are_rejected():
     mesh = _mesh(2)
     x8, w8, _ = _operands(0, 2, 64, 48, 96)  # K = 48 is not a multiple of tile_k
@@ -86,16 +116,26 @@ def test_bad_tiles_are_rejected():
                                     fused.CONFIG_TMA_ADD,
                                     fused.Config(reduce="tma_add", tile_m=64, stages=4),
                                     fused.STREAM_K_CONFIG, _SK_TMA_ADD])
-def test_kernel_on_all_gpus_matches_reference(config):
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "rows"])
+def test_kernel_on_all_gpus_matches_reference(config, per_row):
+    """Every GPU of the machine as the tp peers; per_row: x's 757 rows scaled by their own
+    scales in the epilogue (not with the data-parallel in-kernel TMA-add sum)."""
     if jax.default_backend() != "gpu" or not fused.is_supported():
         pytest.skip("needs NVIDIA Hopper GPUs")
+    if per_row and config.reduce == "tma_add" and not config.stream_k:
+        pytest.skip("per-row scales: not with the data-parallel TMA-add sum")
     tp = jax.device_count()
     mesh = _mesh(tp)
-    x8, w8, ref = _operands(np.random.SeedSequence().entropy % 2**31, tp, 757, 512, 1024)
+    seed = np.random.SeedSequence().entropy % 2**31
+    x8, w8, ref = _operands(seed, tp, 757, 512, 1024)
+    rows = (jax.random.uniform(jax.random.key(seed + 1), (757,), minval=0.25, maxval=4.0)
+            if per_row else None)
+    if per_row:
+        ref = ref * np.asarray(rows, np.float64)[:, None]
     spec = NamedSharding(mesh, P(None, "tp"))
     x8, w8 = jax.device_put(x8, spec), jax.device_put(w8, spec)
-    out = _fused(mesh, use_kernel=True, config=config)(x8, w8)
-    exact = _fused(mesh, use_kernel=False)(x8, w8)
+    out = _fused(mesh, use_kernel=True, config=config, rows=rows)(x8, w8)
+    exact = _fused(mesh, use_kernel=False, rows=rows)(x8, w8)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel_err(out, ref) < 1e-2
     # Same bf16 partials summed: agrees with the psum reference up to one bf16 rounding.
