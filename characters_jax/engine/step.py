@@ -320,22 +320,28 @@ class Engine:
         activations = block_activations(self.input_quant)
 
         def block_fn(block, layer, x, shared_mod, cache):
+            # Ring: attention gets the whole K/V stacks and the layer; the Pallas kernel reads
+            # the layer in place, the other impls slice it (an XLA copy).
+            in_place = layout.mode == "ring" and opts.kv_in_place
+
+            def attend_cached(q, c):
+                """q (rotated, float or QuantizedQ) over the updated cache c: (o, c)."""
+                with jax.named_scope("cache_upkeep"):
+                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
+                with jax.named_scope("attention"):
+                    # With the attention output's own quantization kernel, the Pallas
+                    # attention's padded rows go in as they are (that kernel reads only the
+                    # real ones; a slice before it would be a copy).
+                    o = attention(q, kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
+                return o, c
+
             def attend(q, k, v):
                 c = cache
                 with jax.named_scope("cache_upkeep"):
                     if token_valid is not None:
                         c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
                     c = kvc.write(layout, c, layer, offset, k, v, rope)
-                    # Ring: attention gets the whole K/V stacks and the layer; the Pallas
-                    # kernel reads the layer in place, the other impls slice it (an XLA copy).
-                    in_place = layout.mode == "ring" and opts.kv_in_place
-                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
-                with jax.named_scope("attention"):
-                    # With the attention output's own quantization kernel, the Pallas
-                    # attention's padded rows go in as they are (that kernel reads only the
-                    # real ones; a slice before it would be a copy).
-                    o = attention(rotate(q, rope), kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
-                return o, c
+                return attend_cached(rotate(q, rope), c)
 
             def attend_qkv(qkv, t, q_gain, k_gain, eps):
                 # One kernel from qkv to Q's e4m3 parts and the cache's new K/V rows.
@@ -346,10 +352,7 @@ class Engine:
                         layout.from_storage(c.k), layout.from_storage(c.v), layer, offset,
                         t=t, heads=c.k.shape[2], eps=eps, impl="pallas")
                     c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
-                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=True)
-                with jax.named_scope("attention"):
-                    o = attention(q8, kk, vv, ks, vs, valid, impl=opts.attention, layer=layer, padded_out=self.input_quant == "pallas")
-                return o, c
+                return attend_cached(q8, c)
 
             fused_qkv = self.qkv_prep == "pallas" and token_valid is None  # steps, not prefill
             return block(x, shared_mod, attend, reduce, layer=layer, activations=activations,
