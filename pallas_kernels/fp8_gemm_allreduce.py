@@ -470,8 +470,8 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
         FP8 activations whose scale is given as ``x_scale``: [] float32, or [R] float32
-        per row (R <= M: rows from R on are zero padding; not with the data-parallel
-        ``reduce='tma_add'``).
+        per row (R <= M: rows from R on are zero padding), each device's own: every
+        device scales its partial by its rows' scales before the sum.
       w_fp8: [N, K] float8_e4m3fn weight shard, or a stack [L, N, K] of them with
         ``layer`` ([] int32, may be traced; clamped like ``lax.dynamic_slice``): the kernel
         then reads block ``layer`` of the stack in place (no [N, K] copy).
@@ -499,8 +499,6 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         if not 1 <= x_scale.shape[0] <= x.shape[0]:
             raise ValueError(f"per-row x_scale must be [R], R <= M = {x.shape[0]}, got "
                              f"{x_scale.shape}")
-        if config.reduce == "tma_add" and not config.stream_k:
-            raise NotImplementedError("per-row x scales: not with the in-kernel TMA-add sum")
         rows, x_scale = x_scale.astype(jnp.float32), jnp.float32(1)
     elif jnp.ndim(x_scale) != 0:
         raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
@@ -524,7 +522,8 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         # last tile is out of bounds (zero on load, dropped on store).  The final slice
         # fuses into the consumer.
         x, addend = _pad_rows(x, addend, 8, out_dtype)
-        out, _ = _kernel(x, w_fp8, scale1, addend, **kw)
+        out, _ = _kernel(x, w_fp8, scale1, addend, row_scale=None if rows is None else
+                         pad_row_scales(rows, x.shape[0], config.tile_m), **kw)
         return out[:m]
     if config.stream_k:
         # The stream-K kernel's TMA bounds (the rows' scales need no pad: their copy is bounded).

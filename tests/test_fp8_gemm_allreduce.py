@@ -76,10 +76,10 @@ def test_kernel_lowers_for_cuda_point_to_point_only(tp, config):
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.STREAM_K_CONFIG],
-                         ids=["run1", "stream_k"])
+@pytest.mark.parametrize("config", [fused.CONFIG_RUN1, fused.CONFIG_TMA_ADD, fused.STREAM_K_CONFIG],
+                         ids=["run1", "tma_add", "stream_k"])
 def test_per_row_scales_reach_the_fused_kernel_at_tp(tp, config):
-    """x quantized per row (757 scales for 757 rows): both fused schedules take them as an
+    """x quantized per row (757 scales for 757 rows): every fused schedule takes them as an
     operand at tp >= 2 (lowered for CUDA, point to point only); the fallback scales each row."""
     mesh = _mesh(tp)
     spec = NamedSharding(mesh, P(None, "tp"))
@@ -119,11 +119,9 @@ def test_bad_tiles_are_rejected():
 @pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "rows"])
 def test_kernel_on_all_gpus_matches_reference(config, per_row):
     """Every GPU of the machine as the tp peers; per_row: x's 757 rows scaled by their own
-    scales in the epilogue (not with the data-parallel in-kernel TMA-add sum)."""
+    scales in the epilogue."""
     if jax.default_backend() != "gpu" or not fused.is_supported():
         pytest.skip("needs NVIDIA Hopper GPUs")
-    if per_row and config.reduce == "tma_add" and not config.stream_k:
-        pytest.skip("per-row scales: not with the data-parallel TMA-add sum")
     tp = jax.device_count()
     mesh = _mesh(tp)
     seed = np.random.SeedSequence().entropy % 2**31
