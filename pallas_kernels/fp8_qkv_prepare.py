@@ -9,9 +9,9 @@ After a block's qkv GEMM, a step of the ring cache does, per token and head:
   v = e4m3 with the layer's V scale, written likewise.
 XLA runs that as ~8 kernels per block pass (the q/k slices converted to float32, the norms'
 gains, Q's maximum, its two e4m3 parts, the two cache updates: ~30 us at tp=4's 18 heads
-on an H200, BUILD_NOTES). Here one program per token reads its 3 x H x D values once and
-writes Q's parts and scales and the cache's K and V rows in place (the two caches are
-aliased to the outputs).
+on an H200, BUILD_NOTES). Here one program per token and group of up to
+``HEADS_PER_PROGRAM`` heads reads its 3 x heads x D values once and writes Q's parts and
+scales and the cache's K and V rows in place (the two caches are aliased to the outputs).
 
 The arithmetic is the model's, in its order and dtypes: the norm in float32 rounded to
 bf16, times the bf16 gain rounded to bf16, the rotation in float32 rounded to bf16, then
@@ -37,6 +37,10 @@ from pallas_kernels.fp8_attention import F8, F8_MAX, QuantizedQ, quantize_q
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 KERNEL_NAME = "fp8_qkv_prepare"
+# Heads per program (a power of two; the token's heads in groups of it, the last masked): 18
+# heads at tp=4 are one group of 32, 72 at tp=1 three, so a program's registers stay those of
+# tp=4's, where the kernel was measured.
+HEADS_PER_PROGRAM = 32
 
 
 def is_supported() -> bool:
@@ -79,7 +83,8 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, pos_ref, 
     t = pl.program_id(0)
     half = d // 2
     dtype = qkv_ref.dtype
-    h = jnp.arange(hp)[:, None]  # [hp, 1]
+    head_ids = pl.program_id(1) * hp + jnp.arange(hp)  # this program's group of hp heads
+    h = head_ids[:, None]  # [hp, 1]
     lane = jnp.arange(half)[None, :]  # [1, half]
     hm = (h < heads) & (lane >= 0)  # [hp, half]
     tok = jnp.zeros_like(h) + t
@@ -116,13 +121,13 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, pos_ref, 
         plt.store(q_refs[0].at[idx], hi, mask=hm)
         if q_split:
             plt.store(q_refs[1].at[idx], (qs - hi.astype(jnp.float32)).astype(F8), mask=hm)
-    plt.store(qrs_ref.at[t, jnp.arange(hp)], q_rs, mask=jnp.arange(hp) < heads)
+    plt.store(qrs_ref.at[t, head_ids], q_rs, mask=head_ids < heads)
 
     # K and V into the cache rows [layer, offset + t].
     layer, offset = pos_ref[0], pos_ref[1]
     slot = jnp.zeros_like(h) + offset + t
     lyr = jnp.zeros_like(h) + layer
-    hs = jnp.minimum(jnp.arange(hp), heads - 1)
+    hs = jnp.minimum(head_ids, heads - 1)
     k_s = plt.load(ks_ref.at[hs])[:, None]
     v_s = plt.load(vs_ref.at[hs])[:, None]
     ka, kb = norm_rope(1, kg_ref)
@@ -162,11 +167,11 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     pos = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(offset, jnp.int32)])
     parts = 2 if q_split else 1
-    kernel = functools.partial(_kernel, heads=heads, hp=pl.next_power_of_2(heads), d=d,
-                               eps=eps, q_split=q_split)
+    hp = min(pl.next_power_of_2(heads), HEADS_PER_PROGRAM)
+    kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, q_split=q_split)
     outs = pl.pallas_call(
         kernel,
-        grid=(t,),
+        grid=(t, pl.cdiv(heads, hp)),
         out_shape=(*[jax.ShapeDtypeStruct((t, heads, d), F8)] * parts,
                    jax.ShapeDtypeStruct((t, heads), jnp.float32),
                    jax.ShapeDtypeStruct(cache_k.shape, F8),

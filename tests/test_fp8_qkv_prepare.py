@@ -89,7 +89,10 @@ def _check(out, args, kw, seed, tol_frac=2e-3, loose=False):
         np.testing.assert_array_equal(g[rest], o[rest])  # nothing else written
 
 
-def test_kernel_in_interpreter_matches_the_programs_roundings():
+@pytest.mark.parametrize("heads_per_program", [32, 2], ids=["one_group", "two_groups"])
+def test_kernel_in_interpreter_matches_the_programs_roundings(monkeypatch, heads_per_program):
+    """3 heads in one program, or in groups of 2 (the second group half masked)."""
+    monkeypatch.setattr(qp, "HEADS_PER_PROGRAM", heads_per_program)
     seed = _seed()
     args, kw = _problem(seed)
     out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="interpret", **kw))(*args)
@@ -121,15 +124,18 @@ def test_bad_input_is_rejected():
         qp.prepare_qkv(*args[:3], args[3][:5], *args[4:], **kw)
 
 
-def test_lowers_for_cuda_as_one_triton_kernel_updating_the_caches_in_place(monkeypatch):
-    """At tp=4's shapes (757 tokens of 760 rows, 18 heads, a 60-layer cache): one Triton
-    call, a program per token, both caches aliased to its outputs."""
+@pytest.mark.parametrize("h,groups", [(18, 1), (72, 3)])
+def test_lowers_for_cuda_as_one_triton_kernel_updating_the_caches_in_place(monkeypatch, h,
+                                                                            groups):
+    """At tp=4's shapes (757 tokens of 760 rows, 18 heads, a 60-layer cache) and tp=1's 72
+    heads: one Triton call, a program per token and group of 32 heads, both caches aliased
+    to its outputs."""
     import jax.experimental.pallas.triton as plt
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     info = plt.get_gpu_info_from_version(plt.GpuVersion.H100)
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: info)
-    t, h, d, cache = 757, 18, 128, (60, 5788, 18, 128)
+    t, d, cache = 757, 128, (60, 5788, h, 128)
     s = jax.ShapeDtypeStruct
     args = (s((760, h * 3 * d), jnp.bfloat16), s((d,), jnp.float32), s((d,), jnp.float32),
             s((t, d // 2), jnp.float32), s((t, d // 2), jnp.float32), s((h,), jnp.float32),
@@ -138,16 +144,19 @@ def test_lowers_for_cuda_as_one_triton_kernel_updating_the_caches_in_place(monke
                    donate_argnums=(7, 8)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
     assert len(calls) == 1 and "triton" in calls[0] and "grid_x = 757" in calls[0]
+    assert f"grid_y = {groups}" in calls[0]
     assert "output_operand_aliases" in calls[0] and calls[0].count("operand_index") == 2
     assert "dynamic_update_slice" not in text
 
 
 @pytest.mark.gpu
-def test_kernel_on_gpu_matches_the_programs_roundings():
+@pytest.mark.parametrize("heads", [18, 72])
+def test_kernel_on_gpu_matches_the_programs_roundings(heads):
+    """tp=4's 18 heads (one group) and tp=1's 72 (three)."""
     if not qp.is_supported():
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
     seed = _seed()
-    args, kw = _problem(seed, t=757, ty=760, heads=18, layers=3, slots=2000, offset=700,
+    args, kw = _problem(seed, t=757, ty=760, heads=heads, layers=3, slots=1600, offset=700,
                         layer=2)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
     out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="pallas", **kw))(*args)
