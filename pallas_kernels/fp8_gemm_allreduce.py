@@ -193,7 +193,8 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
 
     Operands (per device): x [Mx, K] e4m3 (Mx = M, or M rounded up as the caller padded it);
     w [N, K] e4m3, or a stack [L, N, K] with ``layer``; scale [1] f32 (the
-    combined scale, broadcast); addend None or [Mx, N] out_dtype.
+    combined scale, broadcast), or [L] with a stack (each layer's, read at ``layer``);
+    addend None or [Mx, N] out_dtype.
 
     reduce='xla': returns (own partial [Mx, N], received [tp-1, Mx, N] or None).
     reduce='tma_add': returns (the reduced [M, N], None).
@@ -235,6 +236,8 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                          and min(c.tile_m, x.shape[0]) <= row_scale.shape[0] <= x.shape[0]):
         raise ValueError(f"row_scale must be [R], {min(c.tile_m, x.shape[0])} <= R <= "
                          f"{x.shape[0]}, got {row_scale.shape}")
+    if scale.shape not in ((1,),) + (((w.shape[0],),) if stacked else ()):
+        raise ValueError(f"scale must be [1]{' or [L]' if stacked else ''}, got {scale.shape}")
     if addend is not None and (addend.shape != (x.shape[0], n)
                              or jnp.dtype(addend.dtype) != jnp.dtype(out_dtype)):
         raise ValueError(f"addend must be [{x.shape[0]}, {n}] {jnp.dtype(out_dtype).name}, got "
@@ -252,7 +255,8 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         if stacked:
             layer_ref, *refs = refs
             # Clamped like lax.dynamic_slice; a [N, K] view of the stack: no copy.
-            w_ref = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), w.shape[0] - 1)]
+            layer_idx = jnp.minimum(jnp.maximum(layer_ref[0], 0), w.shape[0] - 1)
+            w_ref = w_ref.at[layer_idx]
         rows_ref = refs.pop(0) if has_rows else None
         if has_addend:
             addend_ref, *refs = refs
@@ -302,8 +306,9 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         )
         def _scope(allocs, out_smem, barriers, tile_done=None, rows_smem=None, rows_bar=None):
             # The combined dequant scale, a scalar read once (a 16 KB shared-memory tile
-            # before, which left no room for a 4th stage of 128 x 256 tiles).
-            scale_val = scale_ref[0]
+            # before, which left no room for a 4th stage of 128 x 256 tiles); with a stacked
+            # w it may be the per-layer stack [L], read at the layer (no XLA slice per call).
+            scale_val = scale_ref[0] if scale.shape[0] == 1 else scale_ref[layer_idx]
 
             if tma_add:
                 # Zero this block's share of the output (sub-tiles j = gid, gid + 2 * num_sms, ...),
@@ -475,7 +480,9 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
       w_fp8: [N, K] float8_e4m3fn weight shard, or a stack [L, N, K] of them with
         ``layer`` ([] int32, may be traced; clamped like ``lax.dynamic_slice``): the kernel
         then reads block ``layer`` of the stack in place (no [N, K] copy).
-      w_scale: [] float32, the scale of the (selected) weight.
+      w_scale: [] float32, the scale of the (selected) weight; or, with ``layer``, the
+        stack's [L] (the kernels read the layer's: no XLA slice; with per-tensor x the
+        product needs the layer's scale, sliced here).
       addend: optional [M, N] partial of this device, reduced together with the product
         (cast to out_dtype; the kernel adds it in f32 in its epilogue).
       config: the kernel's Config (default ``DEFAULT_CONFIG``).
@@ -486,8 +493,10 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     """
     from characters_jax.parallel.fp8_linear import quantize_activation
 
-    if jnp.ndim(w_scale) != 0:
-        raise NotImplementedError("the fused kernel takes a per-tensor weight scale")
+    per_layer = layer is not None and jnp.ndim(w_scale) == 1
+    if jnp.ndim(w_scale) != 0 and not (per_layer and w_scale.shape == (w_fp8.shape[0],)):
+        raise NotImplementedError("the fused kernel takes a per-tensor weight scale (or, for "
+                                  "a stack, the stack's [L] of them)")
     if (layer is None) != (w_fp8.ndim == 2) or w_fp8.ndim not in (2, 3):
         raise ValueError(f"want w [N, K], or w [L, N, K] with a layer; got {w_fp8.shape}, "
                          f"layer={layer}")
@@ -499,13 +508,19 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         if not 1 <= x_scale.shape[0] <= x.shape[0]:
             raise ValueError(f"per-row x_scale must be [R], R <= M = {x.shape[0]}, got "
                              f"{x_scale.shape}")
-        rows, x_scale = x_scale.astype(jnp.float32), jnp.float32(1)
+        rows, x_scale = x_scale.astype(jnp.float32), None
     elif jnp.ndim(x_scale) != 0:
         raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
-    scale = (x_scale * w_scale).astype(jnp.float32)
+    if per_layer and x_scale is not None:  # a per-tensor x: the product needs the layer's
+        w_scale, per_layer = lax.dynamic_index_in_dim(w_scale, jnp.asarray(layer, jnp.int32),
+                                                      0, keepdims=False), False
+    # The kernels' scale: x's * w's; with per-row x, w's alone (its [L] stack as it is).
+    scale = (w_scale if x_scale is None else x_scale * w_scale).astype(jnp.float32)
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
+        if per_layer:
+            scale = _select_layer(scale, layer)
         if rows is not None:
             rows = jnp.pad(rows, (0, x.shape[0] - rows.shape[0]))[:, None]
         return reference(x, _select_layer(w_fp8, layer),
@@ -513,7 +528,7 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
                          axis_name=axis_name, out_dtype=out_dtype)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
-    scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    scale1 = scale if per_layer else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     kw = dict(axis_name=axis_name, tp=tp, out_dtype=out_dtype, config=config, layer=layer_arr,
               num_sms=num_sms)

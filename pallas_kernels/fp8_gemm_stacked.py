@@ -129,6 +129,8 @@ def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=
     The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
     """
     w = lax.dynamic_index_in_dim(w_stacked, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
+    if jnp.ndim(scale):
+        scale = lax.dynamic_index_in_dim(scale, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     y = jnp.matmul(x_fp8.astype(jnp.float32), w.astype(jnp.float32).T,
                    precision=lax.Precision.HIGHEST)
     y = y * jnp.asarray(scale, jnp.float32)
@@ -158,8 +160,11 @@ def _check(x_fp8, w_stacked, layer, scale, addend=None, row_scale=None):
                          f"{w_stacked.shape}")
     if x_fp8.shape[1] != w_stacked.shape[2]:
         raise ValueError(f"K mismatch: x {x_fp8.shape} vs w_stacked {w_stacked.shape}")
-    if jnp.ndim(layer) != 0 or jnp.ndim(scale) != 0:
-        raise ValueError("layer and scale must be scalars")
+    if jnp.ndim(layer) != 0:
+        raise ValueError("layer must be a scalar")
+    if jnp.ndim(scale) != 0 and jnp.shape(scale) != (w_stacked.shape[0],):
+        raise ValueError(f"scale must be a scalar or the stack's [L] = [{w_stacked.shape[0]}], "
+                         f"got {jnp.shape(scale)}")
     if row_scale is not None and not (row_scale.ndim == 1
                                       and 1 <= row_scale.shape[0] <= x_fp8.shape[0]):
         raise ValueError(f"row_scale must be [R], R <= M = {x_fp8.shape[0]}, got "
@@ -189,7 +194,8 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
         addend = addend.astype(out_dtype)
         addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    # A per-layer stack of scales goes in whole: the kernel reads the layer's.
+    scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
     sms = num_sms or (INTERPRET_NUM_SMS if interpret else _fa.device_sm_count())
     if config.stream_k:
         teams = _sk.teams_for(m8, n, config, sms)
@@ -209,7 +215,8 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
-    scale: [] float32 (x_scale * w_scale, applied in the epilogue);
+    scale: [] float32 (x_scale * w_scale, applied in the epilogue), or [L] float32 (each
+    layer's; the kernel reads scale[layer], so no XLA slice runs per call);
     row_scale: None or [R] float32 (R <= M), x's per-row scales (then ``scale`` is w's),
     applied with it; rows from R on are scaled by 0;
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in

@@ -211,7 +211,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         recv_ref = refs.pop(0) if peers else None
         part_ref, stage_u, out_u, bars, *row_bufs = refs
         rows_smem, rows_bar = row_bufs if has_rows else (None, None)
-        w_l = w_ref.at[jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)]
+        layer_idx = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
+        w_l = w_ref.at[layer_idx]
         if f32_parts:
             (x_smem, w_smem), pbuf = stage_u
             out_smem, pstage = out_u
@@ -270,7 +271,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         def _compute():
             plgpu.set_max_registers(232, action="increase")
 
-            scale = scale_ref[0]
+            # One scale, or the layer's of a per-layer stack (no XLA slice per call).
+            scale = scale_ref[0] if scale_ref.shape[0] == 1 else scale_ref[layer_idx]
             if has_rows:
                 plgpu.barrier_wait(rows_bar)
 

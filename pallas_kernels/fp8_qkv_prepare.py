@@ -21,7 +21,8 @@ divided by their scales, clipped to +-448, e4m3. ``reference`` is that model cod
 Shapes and dtypes (per tensor-parallel shard):
   qkv       [Ty >= T, H * 3 * D] bfloat16 (the GEMM's output; rows from T on not read)
   q_gain, k_gain [D] float32; cos, sin [T, D / 2] float32 (``rope.rope_angles``)
-  k_scale, v_scale [H] float32 (this layer's); cache_k, cache_v [L, S, H, D] float8_e4m3fn
+  k_scale, v_scale [H] float32 (this layer's), or the cache's [L, H] stacks (the kernel reads
+                 the layer's); cache_k, cache_v [L, S, H, D] float8_e4m3fn
   layer, offset  [] int32: the block, and the first of the T slots written
   out       (QuantizedQ (parts [T, H, D] e4m3 x 1 or 2, row_scale [T, H] f32), cache_k, cache_v)
 """
@@ -64,6 +65,8 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
     from characters_jax.model.dit import rms_norm
     from characters_jax.model.rope import rotate
 
+    if k_scale.ndim == 2:  # the [L, H] stacks: this layer's
+        k_scale, v_scale = k_scale[layer], v_scale[layer]
     d = cache_k.shape[-1]
     q, k, v = _split(qkv, t, heads, d)
     q = rotate(rms_norm(q, eps) * q_gain.astype(qkv.dtype), (cos, sin))
@@ -74,8 +77,8 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
     return quantize_q(q, q_split), cache_k, cache_v
 
 
-def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, pos_ref, _ck, _cv,
-            *out_refs, heads: int, hp: int, d: int, eps: float, q_split: bool):
+def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref, offset_ref,
+            _ck, _cv, *out_refs, heads: int, hp: int, d: int, eps: float, q_split: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -123,13 +126,14 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, pos_ref, 
             plt.store(q_refs[1].at[idx], (qs - hi.astype(jnp.float32)).astype(F8), mask=hm)
     plt.store(qrs_ref.at[t, head_ids], q_rs, mask=head_ids < heads)
 
-    # K and V into the cache rows [layer, offset + t].
-    layer, offset = pos_ref[0], pos_ref[1]
+    # K and V into the cache rows [layer, offset + t], with the layer's scales (read from the
+    # [L, H] stacks at the layer: no slice kernel before the call).
+    layer, offset = layer_ref[0], offset_ref[0]
     slot = jnp.zeros_like(h) + offset + t
     lyr = jnp.zeros_like(h) + layer
     hs = jnp.minimum(head_ids, heads - 1)
-    k_s = plt.load(ks_ref.at[hs])[:, None]
-    v_s = plt.load(vs_ref.at[hs])[:, None]
+    k_s = plt.load(ks_ref.at[layer, hs])[:, None]
+    v_s = plt.load(vs_ref.at[layer, hs])[:, None]
     ka, kb = norm_rope(1, kg_ref)
     for side, (kx, vx) in enumerate(((ka, load(2, 0)), (kb, load(2, 1)))):
         idx = (lyr, slot, h, side * half + lane)
@@ -157,6 +161,10 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
             or cache_k.shape[2] != heads or d % 2:
         raise ValueError(f"want e4m3 caches [L, S, {heads}, D], got {cache_k.shape} "
                          f"{cache_k.dtype} and {cache_v.shape} {cache_v.dtype}")
+    scale_shapes = ((heads,), (cache_k.shape[0], heads))
+    if k_scale.shape not in scale_shapes or v_scale.shape != k_scale.shape:
+        raise ValueError(f"want k_scale, v_scale [{heads}] or [L, {heads}], got {k_scale.shape}, "
+                         f"{v_scale.shape}")
     if cos.shape != (t, d // 2) or sin.shape != (t, d // 2):
         raise ValueError(f"want cos, sin [{t}, {d // 2}], got {cos.shape}, {sin.shape}")
     if impl == "auto":
@@ -165,7 +173,11 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
     if impl == "reference":
         return reference(*args, t=t, heads=heads, eps=eps, q_split=q_split)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    pos = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(offset, jnp.int32)])
+    # Per-head scales as [L, H] stacks, read at the layer (one layer's [H] is broadcast).
+    if k_scale.ndim == 1:
+        stack = (cache_k.shape[0], heads)
+        k_scale, v_scale = jnp.broadcast_to(k_scale, stack), jnp.broadcast_to(v_scale, stack)
+    one = lambda a: jnp.reshape(jnp.asarray(a, jnp.int32), (1,))  # noqa: E731 (a bitcast)
     parts = 2 if q_split else 1
     hp = min(pl.next_power_of_2(heads), HEADS_PER_PROGRAM)
     kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, q_split=q_split)
@@ -176,10 +188,10 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
                    jax.ShapeDtypeStruct((t, heads), jnp.float32),
                    jax.ShapeDtypeStruct(cache_k.shape, F8),
                    jax.ShapeDtypeStruct(cache_v.shape, F8)),
-        input_output_aliases={8: parts + 1, 9: parts + 2},
+        input_output_aliases={9: parts + 1, 10: parts + 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps),
         interpret=impl == "interpret",
         name=KERNEL_NAME,
-    )(qkv, f32(q_gain), f32(k_gain), f32(cos), f32(sin), f32(k_scale), f32(v_scale), pos,
-      cache_k, cache_v)
+    )(qkv, f32(q_gain), f32(k_gain), f32(cos), f32(sin), f32(k_scale), f32(v_scale),
+      one(layer), one(offset), cache_k, cache_v)
     return QuantizedQ(tuple(outs[:parts]), outs[parts]), outs[parts + 1], outs[parts + 2]

@@ -127,6 +127,54 @@ def test_kernel_in_interpreter_matches_reference(m, n, k, layers, layer, config)
     assert _rel_err(out, exact) < 4e-3, seed
 
 
+@pytest.mark.parametrize("config,rows", [(st.TILES_CONFIG, False), (None, False),
+                                         (None, True), (st.NARROW_TILES_CONFIG, True)],
+                         ids=["tiles", "stream_k", "stream_k_rows", "narrow_tiles_rows"])
+def test_per_layer_scales_read_at_the_layer_in_interpreter(config, rows):
+    """scale as the stack's [L] (distinct per layer): the kernel reads the layer's, the
+    same as the scalar scale of that layer, under a scan over the layers."""
+    seed = _seed()
+    m, n, k, layers = 40, 512, 256, 3
+    x8, w8, scale = _operands(seed, m, n, k, layers)
+    stack = scale * jnp.array([0.5, 1.0, 2.0], jnp.float32)
+    r = jax.random.uniform(jax.random.key(seed + 1), (m,), minval=0.5, maxval=2.0) if rows else None
+
+    def run(scales):
+        def body(c, layer):
+            return c, st.stacked_fp8_matmul(x8, w8, layer, scales, impl="interpret",
+                                            config=config, row_scale=r)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = jax.jit(run)(stack)
+    for layer in range(layers):
+        want = _exact(x8, w8, layer, stack[layer])
+        if rows:
+            want = want * np.asarray(r, np.float64)[:, None]
+        assert _rel_err(out[layer], want) < 4e-3, (seed, layer)
+
+
+def test_per_layer_scales_need_no_slice_when_lowered_for_cuda():
+    """The scanned GEMM with the [L] scale stack (per-row x): lowered for CUDA, the stack
+    reaches the kernel whole: no slice of it per layer (a kernel of its own on the GPU)."""
+    def run(x8, w8, scales, rows):
+        def body(carry, layer):
+            y = st.stacked_fp8_matmul(x8, w8, layer, scales, impl="pallas", row_scale=rows)
+            return carry + y[0, 0].astype(jnp.float32), None
+        return lax.scan(body, jnp.float32(0), jnp.arange(4, dtype=jnp.int32))[0]
+
+    args = (jax.ShapeDtypeStruct((757, 256), FP8), jax.ShapeDtypeStruct((4, 512, 256), FP8),
+            jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((757,), jnp.float32))
+    text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text(
+        debug_info=False)
+    call = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    assert len(call) == 1 and "tensor<4xf32>" in call[0].rsplit(":", 1)[-1].split("->")[0]
+    assert not [ln for ln in text.splitlines()
+                if "dynamic_slice" in ln and "tensor<4xf32>" in ln], "a slice of the scales"
+    with pytest.raises(ValueError, match="scale"):
+        st.stacked_fp8_matmul(jnp.zeros((8, 256), FP8), jnp.zeros((4, 512, 256), FP8),
+                              jnp.int32(0), jnp.ones((3,)))
+
+
 _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
 
 

@@ -91,13 +91,21 @@ def _check(out, args, kw, seed, tol_frac=2e-3, loose=False):
 
 @pytest.mark.parametrize("heads_per_program", [32, 2], ids=["one_group", "two_groups"])
 def test_kernel_in_interpreter_matches_the_programs_roundings(monkeypatch, heads_per_program):
-    """3 heads in one program, or in groups of 2 (the second group half masked)."""
+    """3 heads in one program, or in groups of 2 (the second group half masked); the
+    layer's scales given as they are, or as [L, H] stacks read at the layer."""
     monkeypatch.setattr(qp, "HEADS_PER_PROGRAM", heads_per_program)
     seed = _seed()
     args, kw = _problem(seed)
     out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="interpret", **kw))(*args)
     _check(out, args, kw, seed)
     assert out[0].shape == (21, 3, 128) and len(out[0].parts) == 2
+    layer = int(args[9])
+    stacks = [jnp.zeros((2, 3)).at[layer].set(a) + jnp.zeros((2, 3)).at[1 - layer].set(9.0)
+              for a in args[5:7]]  # the other layer's scales: wrong on purpose
+    out2 = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="interpret", **kw))(
+        *args[:5], *stacks, *args[7:])
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(out2)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_reference_is_the_models_code_close_to_the_kernel():
@@ -120,6 +128,8 @@ def test_bad_input_is_rejected():
         qp.prepare_qkv(args[0][:, :100], *args[1:], **kw)
     with pytest.raises(ValueError, match="caches"):
         qp.prepare_qkv(*args[:7], args[7].astype(jnp.bfloat16), *args[8:], **kw)
+    with pytest.raises(ValueError, match="k_scale"):
+        qp.prepare_qkv(*args[:5], args[5][:2], *args[6:], **kw)
     with pytest.raises(ValueError, match="cos"):
         qp.prepare_qkv(*args[:3], args[3][:5], *args[4:], **kw)
 
@@ -142,6 +152,13 @@ def test_lowers_for_cuda_as_one_triton_kernel_updating_the_caches_in_place(monke
             s((h,), jnp.float32), s(cache, F8), s(cache, F8), s((), jnp.int32), s((), jnp.int32))
     text = jax.jit(lambda *a: qp.prepare_qkv(*a, t=t, heads=h, eps=EPS, impl="pallas"),
                    donate_argnums=(7, 8)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # The engine's form: the cache's [L, H] scale stacks, read at the layer in the kernel.
+    stacks = (s((60, h), jnp.float32),) * 2
+    text2 = jax.jit(lambda *a: qp.prepare_qkv(*a, t=t, heads=h, eps=EPS, impl="pallas"),
+                    donate_argnums=(7, 8)).trace(*args[:5], *stacks, *args[7:]).lower(
+                        lowering_platforms=("cuda",)).as_text()
+    assert "dynamic_slice" not in text2 and "concatenate" not in text2
+    assert f"tensor<60x{h}xf32>" in [ln for ln in text2.splitlines() if "custom_call" in ln][0]
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
     assert len(calls) == 1 and "triton" in calls[0] and "grid_x = 757" in calls[0]
     assert f"grid_y = {groups}" in calls[0]

@@ -364,5 +364,8 @@ def test_row_scales_reach_the_fused_and_stacked_kernels(monkeypatch, method, tp)
     assert len(calls) == 2
     ins = [ln.rsplit(":", 1)[-1].split("->")[0] for ln in calls]
     assert all("tensor<757xf32>" in i for i in ins), ins
+    # The weights' per-layer scales reach the kernels whole, not sliced per block.
+    assert all("tensor<4xf32>" in i for i in ins), ins
+    assert not [ln for ln in text.splitlines() if "dynamic_slice" in ln and "tensor<4xf32>" in ln]
     assert not re.search(r"stablehlo.pad.*-> tensor<\d+xf32>", text)
     assert _no_weight_slices(text)

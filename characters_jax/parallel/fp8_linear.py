@@ -232,14 +232,14 @@ def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "t
         return y.astype(out_dtype)
     xq = quantize(x, act_scale)
     k = xq.shape[-1]
-    w_scale = w.layer_scale
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if addend is not None:
         addend = addend.reshape(-1, addend.shape[-1])
     if xq.per_row:
-        scale, rows = w_scale, xq.scale.reshape(-1)
+        # The stack's scales whole: the kernel reads the layer's (no slice kernel per call).
+        scale, rows = w.scale, xq.scale.reshape(-1)
     else:
-        scale, rows = xq.scale * w_scale, None
+        scale, rows = xq.scale * w.layer_scale, None
     y = stacked_fp8_matmul(xq.values.reshape(-1, k), w.values, w.layer, scale,
                            out_dtype=gemm_dtype, addend=addend, row_scale=rows)
     return y.reshape(*xq.shape[:-1], -1).astype(out_dtype)

@@ -291,7 +291,8 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
     config = fp8_gemm_allreduce.STREAM_K_CONFIG if stream_k else None
     xq = quantize(x, act_scale)
-    return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.layer_scale, layer=w.layer,
+    # A stack's scales whole (the kernels read the layer's); a single weight's as it is.
+    return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.scale, layer=w.layer,
                                              addend=addend, axis_name=axis_name,
                                              out_dtype=out_dtype, x_scale=xq.scale, config=config)
 
