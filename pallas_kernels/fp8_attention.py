@@ -512,8 +512,47 @@ def _fill_ones(ref):
     fill(ref)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["valid", "bias", "block_masked", "any_valid"],
+                   meta_fields=["block_kv"])
+@dataclasses.dataclass(frozen=True)
+class SlotMask:
+    """The slot mask and what the kernel derives from it, made once where many calls share
+    it (a step's blocks all attend under one mask; derived inside the block scan, each piece
+    is a kernel per block): valid [S] bool, bias [S'] f32 (:func:`_slot_bias`),
+    block_masked [nb] int32 (:func:`block_masked_flags`), any_valid [] f32, for KV blocks of
+    ``block_kv`` (another block size derives its own from ``valid``). Made by :func:`slot_mask`;
+    :func:`attention` takes it wherever it takes ``valid``."""
+
+    valid: jax.Array
+    bias: jax.Array
+    block_masked: jax.Array
+    any_valid: jax.Array
+    block_kv: int
+
+    @property
+    def shape(self):
+        return self.valid.shape
+
+
+def slot_mask(valid, block_kv: int | None = None) -> SlotMask:
+    """valid [S] bool -> its :class:`SlotMask` for KV blocks of ``block_kv`` (default: the
+    kernels', ``KernelOptions.block_kv``)."""
+    block_kv = block_kv or KernelOptions().block_kv
+    return SlotMask(valid, _slot_bias(valid, block_kv), block_masked_flags(valid, block_kv),
+                    jnp.any(valid).astype(jnp.float32), block_kv)
+
+
+def _mask_valid(valid):
+    return valid.valid if isinstance(valid, SlotMask) else valid
+
+
 def block_masked_flags(valid, block_kv: int) -> jax.Array:
     """[nb] int32: 1 where the KV block holds a masked (invalid or padding) slot."""
+    if isinstance(valid, SlotMask):
+        if valid.block_kv == block_kv:
+            return valid.block_masked
+        valid = valid.valid
     s_len = valid.shape[0]
     nb = -(-s_len // block_kv)
     v = jnp.pad(valid, (0, nb * block_kv - s_len))
@@ -589,13 +628,18 @@ def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q)
 def _head_scales(k_scale, v_scale, valid, d):
     """[H, 2] f32: the logit factor of a head without Q's row scale (K scale x log2(e) /
     sqrt(D)) and its output factor (V scale, 0 when no slot is valid)."""
-    any_valid = jnp.any(valid).astype(jnp.float32)
+    any_valid = (valid.any_valid if isinstance(valid, SlotMask)
+                 else jnp.any(valid).astype(jnp.float32))
     return jnp.stack([k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)),
                       v_scale.astype(jnp.float32) * any_valid], axis=1)
 
 
 def _slot_bias(valid, block_kv):
     """[S'] f32, S' = S rounded up to block_kv: 0 for a valid slot, _MASK_BIAS otherwise."""
+    if isinstance(valid, SlotMask):
+        if valid.block_kv == block_kv:
+            return valid.bias
+        valid = valid.valid
     s_pad = padded_slots(valid.shape[0], block_kv)
     return jnp.where(jnp.pad(valid, (0, s_pad - valid.shape[0])), 0.0,
                      _MASK_BIAS).astype(jnp.float32)
@@ -1743,7 +1787,8 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     """q: [Tq, H, D] bf16/f32 (queries, RoPE already applied), or a :class:`QuantizedQ`
     (the kernels' e4m3 parts, made elsewhere; the other impls dequantize it); k, v: [S, H, D] float8_e4m3fn
     (or bf16/f32 when the cache is not FP8); k_scale, v_scale: [H] float32 per-head dequant
-    scales (real = stored * scale); valid: [S] bool slot mask. Softmax scale 1/sqrt(D).
+    scales (real = stored * scale); valid: [S] bool slot mask, or its :class:`SlotMask`
+    (made once for many calls). Softmax scale 1/sqrt(D).
     layer: None, or an int32 scalar (may be traced); then k and v are the cache's whole
     stacks [L, S, H, D] and layer ``layer`` is attended (clamped to [0, L)): the Pallas
     kernel reads it in place, the other impls slice it.
@@ -1759,6 +1804,8 @@ def attention(q, k, v, k_scale, v_scale, valid, *, impl: str = "auto", layer=Non
     impl = resolve_impl(impl, k.dtype, q.shape[-1])
     if isinstance(q, QuantizedQ) and impl not in PALLAS_IMPLS:
         q = q.dequantize(jnp.bfloat16)
+    if impl not in PALLAS_IMPLS:
+        valid = _mask_valid(valid)
     if layer is not None and k.ndim != 4:
         raise ValueError(f"with layer, k and v must be [L, S, H, D] stacks, got {k.shape}")
     if impl in PALLAS_IMPLS:

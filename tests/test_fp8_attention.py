@@ -205,6 +205,30 @@ def test_padded_out_keeps_the_kernels_rows_for_their_consumer():
     assert ref.shape == q.shape
 
 
+def test_slot_mask_made_once_leaves_no_mask_work_in_the_call():
+    """An attention call given the SlotMask (made once, outside the block scan) derives
+    nothing from the mask itself; given the bool mask it reduces it every call (any(valid),
+    the slot bias, the block flags: kernels of their own inside the scan). The reference
+    gives the same output with the mask or its SlotMask."""
+    q, k, sc, va = _model_structs(layers=3)
+    mask = jax.eval_shape(fa.slot_mask, va)
+
+    def traced(m):
+        return str(jax.make_jaxpr(lambda q, k, v, ks, vs, m: fa.attention(
+            q, k, v, ks, vs, m, impl="pallas", layer=1))(q, k, k, sc, sc, m))
+
+    assert "reduce_or" in traced(va)
+    assert "reduce_or" not in traced(mask)
+    rng = np.random.default_rng(0)
+    qq = jnp.asarray(rng.standard_normal((20, 2, 128)), jnp.bfloat16)
+    kk = jnp.asarray(rng.standard_normal((70, 2, 128)) * 8, fa.F8)
+    valid = jnp.asarray(rng.random(70) < 0.6)
+    scales = jnp.full((2,), 0.05)
+    a = fa.attention(qq, kk, kk, scales, scales, valid, impl="reference")
+    b = fa.attention(qq, kk, kk, scales, scales, fa.slot_mask(valid), impl="reference")
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_key_permutation_is_a_permutation_within_16():
     perm = fa._key_permutation(128)
     assert sorted(perm.tolist()) == list(range(128))

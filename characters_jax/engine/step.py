@@ -31,7 +31,7 @@ from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
 from characters_jax.parallel.row_parallel import FUSED_METHODS, row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
-from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper
+from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper, slot_mask
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
 
@@ -310,6 +310,7 @@ class Engine:
         """
         layout, freqs, opts = self.layout, self.freqs, self.options
         rope = rope_angles(positions, freqs)  # once, outside the block scan
+        mask = slot_mask(valid)  # the attention's mask operands, once too
 
         def reduce(pairs):
             with jax.named_scope("out_down_reduce"):
@@ -332,7 +333,7 @@ class Engine:
                     # With the attention output's own quantization kernel, the Pallas
                     # attention's padded rows go in as they are (that kernel reads only the
                     # real ones; a slice before it would be a copy).
-                    o = attention(q, kk, vv, ks, vs, valid, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
+                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
                 return o, c
 
             def attend(q, k, v):
