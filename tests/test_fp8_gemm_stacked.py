@@ -153,6 +153,36 @@ def test_per_layer_scales_read_at_the_layer_in_interpreter(config, rows):
         assert _rel_err(out[layer], want) < 4e-3, (seed, layer)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [st.TILES_CONFIG, None, st.NARROW_STREAM_K_CONFIG],
+                         ids=["tiles", "stream_k", "narrow_stream_k"])
+def test_per_layer_scales_read_at_the_layer_on_gpu(config):
+    """On the GPU at M = 757 with per-row x: the [L] scale stack read in the kernel at each
+    layer of a scan (distinct scales per layer), NaN-poisoned memory."""
+    if not st.is_supported():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+    seed = _seed()
+    m, layers = 757, 3
+    n = 8064 if config is st.NARROW_STREAM_K_CONFIG else 2048
+    x8, w8, scale = _operands(seed, m, n, 1024, layers)
+    stack = scale * jnp.array([0.5, 1.0, 2.0], jnp.float32)
+    r = jax.random.uniform(jax.random.key(seed + 1), (m,), minval=0.5, maxval=2.0)
+    jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+
+    @jax.jit
+    def run(stack, r):
+        def body(c, layer):
+            return c, st.stacked_fp8_matmul(x8, w8, layer, stack, impl="pallas", config=config,
+                                            row_scale=r)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(stack, r)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), seed
+    for layer in range(layers):
+        want = _exact(x8, w8, layer, stack[layer]) * np.asarray(r, np.float64)[:, None]
+        assert _rel_err(out[layer], want) < 4e-3, (seed, layer)
+
+
 def test_per_layer_scales_need_no_slice_when_lowered_for_cuda():
     """The scanned GEMM with the [L] scale stack (per-row x): lowered for CUDA, the stack
     reaches the kernel whole: no slice of it per layer (a kernel of its own on the GPU)."""
