@@ -3,8 +3,10 @@
 #   PART=tp4  characters-57b at tp=4 (the reference system's layout), every ablation variant
 #             of benchmarks/gpu_issue6.sh (launch, ring_cudnn, ring_fp8, ring_stacked,
 #             ring_fused, ring_fused_tensor: the default's per-row activation scales against
-#             per tensor, ring_fused_sk) with profiles and the plot (the guarded runs skip
-#             what no longer fits the deadline, last first);
+#             per tensor, ring_fused_xqkv: without the fused qkv kernel, ring_fused_sk) with
+#             profiles and the plot (the guarded runs skip what no longer fits the deadline,
+#             last first; ring_stacked, the NCCL psum, second: the fused kernel's exchange
+#             against it is the first figure to read at tp=4);
 #   PART=tp3  characters-57b at tp=3 (an odd GPU count) for ring_fused, ring_fused_sk and
 #             ring_stacked, the
 #             decoder on the fourth GPU running alongside (benchmarks/decoder_overlap.py
@@ -31,7 +33,7 @@ export STEPS WARMUP=${WARMUP:-3} PROFILE_STEPS=${PROFILE_STEPS:-2}
 case $PART in
   tp4)
     OUT="$OUT/tp4" TP=4 EXTRAS=0 DEADLINE_S=$DEADLINE_S \
-      VARIANTS=${VARIANTS-"ring_fused ring_fused_tensor ring_fused_sk ring_stacked launch ring_cudnn ring_fp8"} bash benchmarks/gpu_issue6.sh
+      VARIANTS=${VARIANTS-"ring_fused ring_stacked ring_fused_tensor ring_fused_xqkv ring_fused_sk launch ring_cudnn ring_fp8"} bash benchmarks/gpu_issue6.sh
     ;;
   tp3)
     OUT="$OUT/tp3" TP=3 DECODER_GPU=3 EXTRAS=overlap DEADLINE_S=$(( DEADLINE_S - 170 )) \
