@@ -206,7 +206,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
       With tp = 1, M need not be a multiple of tile_m (it must be one of 8, for the TMA
         tiling): the last tile's rows past M are zero on load and dropped on store.
       num_sms: the persistent grid size (default: the device's SM count).
-      row_scale: None, or [R] float32 (R <= Mx, at least one tile's rows or all of Mx): x's
+      row_scale: None, or [R] float32 (1 <= R <= Mx; rows from R on scale by 0): x's
         per-row scales; each tile's epilogue multiplies its row m by row_scale[m] (with the
         scalar ``scale``). A compute warpgroup copies its tile's tile_m scales to shared
         memory by TMA before the main loop (bounded: rows from R on read as 0).
@@ -232,10 +232,8 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
     if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
     has_rows = row_scale is not None
-    if has_rows and not (row_scale.ndim == 1
-                         and min(c.tile_m, x.shape[0]) <= row_scale.shape[0] <= x.shape[0]):
-        raise ValueError(f"row_scale must be [R], {min(c.tile_m, x.shape[0])} <= R <= "
-                         f"{x.shape[0]}, got {row_scale.shape}")
+    if has_rows:
+        row_scale = pad_row_scales(row_scale, x.shape[0], c.tile_m)
     if scale.shape not in ((1,),) + (((w.shape[0],),) if stacked else ()):
         raise ValueError(f"scale must be [1]{' or [L]' if stacked else ''}, got {scale.shape}")
     if addend is not None and (addend.shape != (x.shape[0], n)
@@ -440,7 +438,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
     if tp > 1 and not tma_add:
         out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
     operands = ((x, w, scale) + ((layer,) if stacked else ())
-                + ((row_scale.astype(jnp.float32),) if has_rows else ())
+                + ((row_scale,) if has_rows else ())
                 + ((addend,) if has_addend else ()))
     outs = plgpu.kernel(
         body,
@@ -537,18 +535,15 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         # last tile is out of bounds (zero on load, dropped on store).  The final slice
         # fuses into the consumer.
         x, addend = _pad_rows(x, addend, 8, out_dtype)
-        out, _ = _kernel(x, w_fp8, scale1, addend, row_scale=None if rows is None else
-                         pad_row_scales(rows, x.shape[0], config.tile_m), **kw)
+        out, _ = _kernel(x, w_fp8, scale1, addend, row_scale=rows, **kw)
         return out[:m]
     if config.stream_k:
-        # The stream-K kernel's TMA bounds (the rows' scales need no pad: their copy is bounded).
+        # The stream-K kernel's TMA bounds (the kernels pad the rows' scales where needed).
         x, addend = _pad_rows(x, addend, 8, out_dtype)
         own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, **kw)
     else:
         x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
-        own, received = _kernel(x, w_fp8, scale1, addend,
-                                row_scale=None if rows is None else pad_row_scales(
-                                    rows, x.shape[0], config.tile_m), **kw)
+        own, received = _kernel(x, w_fp8, scale1, addend, row_scale=rows, **kw)
     total = own.astype(jnp.float32)
     if received is not None:
         total = total + received.astype(jnp.float32).sum(0)
@@ -566,10 +561,14 @@ def _pad_rows(x, addend, multiple: int, out_dtype):
 
 
 def pad_row_scales(row_scale, rows: int, tile_m: int):
-    """Per-row scales [R] for x's ``rows`` rows as the kernels' bounded TMA copy of tile_m
-    of them takes them: as they are when R >= min(tile_m, rows) (a tile's rows past R read
-    zeros), else zero-padded to ``rows`` (a copy larger than its whole array is refused)."""
+    """Per-row scales [R] (1 <= R <= rows) for x's ``rows`` rows as the kernels' bounded TMA
+    copy of tile_m of them takes them: as they are when R >= min(tile_m, rows) (a tile's
+    rows past R read zeros), else zero-padded to ``rows`` (a copy larger than its whole
+    array is refused). Both GEMM kernels' launchers apply it."""
+    if not (row_scale.ndim == 1 and 1 <= row_scale.shape[0] <= rows):
+        raise ValueError(f"row_scale must be [R], 1 <= R <= {rows}, got {row_scale.shape}")
     r = row_scale.shape[0]
+    row_scale = row_scale.astype(jnp.float32)
     return row_scale if r >= min(tile_m, rows) else jnp.pad(row_scale, (0, rows - r))
 
 

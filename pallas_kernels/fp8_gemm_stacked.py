@@ -187,8 +187,6 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     if not fits(n, k, config):
         raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
     m8 = -(-m // 8) * 8
-    if row_scale is not None:
-        row_scale = _fa.pad_row_scales(row_scale.astype(jnp.float32), m8, config.tile_m)
     x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
     if addend is not None:
         addend = addend.astype(out_dtype)

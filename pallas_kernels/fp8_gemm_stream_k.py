@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_gemm_allreduce import smem_transforms
+from pallas_kernels.fp8_gemm_allreduce import pad_row_scales, smem_transforms
 from pallas_kernels.mgpu_sync import PeerSync, fence_proxy_async_global
 
 FP8 = jnp.float8_e4m3fn
@@ -195,8 +195,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     num_layers = w.shape[0]
     has_addend = addend is not None
     has_rows = row_scale is not None
-    if has_rows and not (row_scale.ndim == 1 and 1 <= row_scale.shape[0] <= mx):
-        raise ValueError(f"row_scale must be [R], R <= {mx}, got {row_scale.shape}")
+    if has_rows:
+        row_scale = pad_row_scales(row_scale, mx, c.tile_m)
     in_tf, out_tf = smem_transforms(c, out_dtype)
     f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]

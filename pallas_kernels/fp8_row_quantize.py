@@ -260,11 +260,3 @@ def row_quantize(x, shift=None, scale=None, *, prologue: str, eps: float = 0.0,
         return reference(x, shift, scale, eps=eps, rows=m, rows_out=rows_out, prologue=prologue)
     return _pallas(x, shift, scale, m=m, rows_out=rows_out, prologue=prologue, eps=eps,
                    layout=layout or DEFAULT_LAYOUT, interpret=impl == "interpret")
-
-
-def norm_modulate_quantize(x, shift, scale, *, eps: float, rows_out: int | None = None,
-                           impl: str = "auto", layout: Layout | None = None):
-    """The block input: x [M, D], shift/scale [D] -> (values [rows_out, D] e4m3, row_scale
-    [rows_out] f32) of ``modulated_norm(x, shift, scale, eps)`` (``row_quantize``, 'norm')."""
-    return row_quantize(x, shift, scale, prologue="norm", eps=eps, rows_out=rows_out,
-                        impl=impl, layout=layout)

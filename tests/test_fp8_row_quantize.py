@@ -56,8 +56,8 @@ def test_kernel_in_interpreter_matches_reference(m, d, rows_out, layout):
     0, D not a power of two (masked lanes)."""
     seed = _seed()
     x, shift, scale = _inputs(seed, m, d)
-    q, s = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=rows_out, impl="interpret", layout=layout))(x, shift, scale)
+    q, s = jax.jit(lambda x, a, b: rq.row_quantize(
+        x, a, b, prologue="norm", eps=EPS, rows_out=rows_out, impl="interpret", layout=layout))(x, shift, scale)
     rq_, rs_ = rq.reference(x, shift, scale, eps=EPS, rows_out=rows_out)
     assert q.shape == (rows_out, d) and q.dtype == jnp.float8_e4m3fn and s.shape == (rows_out,)
     _assert_close_to_reference(q, s, rq_, rs_, m, seed)
@@ -87,11 +87,11 @@ def test_gelu_and_plain_prologues_in_interpreter(prologue, layout):
 def test_bad_input_is_rejected():
     x, shift, scale = _inputs(0, 8, 64)
     with pytest.raises(ValueError, match="rows_out"):
-        rq.norm_modulate_quantize(x, shift, scale, eps=EPS, rows_out=4)
+        rq.row_quantize(x, shift, scale, prologue="norm", eps=EPS, rows_out=4)
     with pytest.raises(ValueError, match="shift"):
-        rq.norm_modulate_quantize(x, shift[:10], scale, eps=EPS)
+        rq.row_quantize(x, shift[:10], scale, prologue="norm", eps=EPS)
     with pytest.raises(ValueError, match="impl"):
-        rq.norm_modulate_quantize(x, shift, scale, eps=EPS, impl="cuda")
+        rq.row_quantize(x, shift, scale, prologue="norm", eps=EPS, impl="cuda")
     with pytest.raises(ValueError, match="prologue"):
         rq.row_quantize(x, prologue="silu")
     with pytest.raises(ValueError, match="'norm' prologue"):
@@ -102,7 +102,7 @@ def test_bad_input_is_rejected():
         rq.Layout(rows_per_program=3)
     with pytest.raises(ValueError, match="chunk size"):
         rq.Layout(chunk=None, reload=True)
-    assert rq.norm_modulate_quantize(x, shift, scale, eps=EPS)[0].shape == (8, 64)  # auto on CPU
+    assert rq.row_quantize(x, shift, scale, prologue="norm", eps=EPS)[0].shape == (8, 64)  # auto on CPU
 
 
 @pytest.mark.parametrize("prologue,rows_in,d,layout,grid", [
@@ -227,8 +227,8 @@ def test_kernel_on_gpu_matches_reference(m, d, layout):
     x, shift, scale = _inputs(seed, m, d)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
     rows_out = -(-m // 8) * 8
-    q, s = jax.jit(lambda x, a, b: rq.norm_modulate_quantize(
-        x, a, b, eps=EPS, rows_out=rows_out, impl="pallas", layout=layout))(x, shift, scale)
+    q, s = jax.jit(lambda x, a, b: rq.row_quantize(
+        x, a, b, prologue="norm", eps=EPS, rows_out=rows_out, impl="pallas", layout=layout))(x, shift, scale)
     q32, s32 = np.asarray(q, np.float32), np.asarray(s, np.float64)
     assert np.isfinite(q32).all() and np.isfinite(s32).all(), seed
     assert not q32[m:].any() and not s32[m:].any()

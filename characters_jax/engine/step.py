@@ -29,7 +29,8 @@ from characters_jax.engine.state import StepState, empty_state, frame_positions,
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
-from characters_jax.parallel.row_parallel import FUSED_METHODS, row_parallel_matmul_reduce
+from characters_jax.parallel.row_parallel import (
+    FUSED_METHODS, STACKED_ROW_ALIGN, row_parallel_matmul_reduce)
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper, slot_mask
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
@@ -149,7 +150,8 @@ def block_activations(input_quant: str) -> BlockActivations:
 
     def quantized(x, rows, **kw):
         values, row_scale = fp8_row_quantize.row_quantize(
-            x, rows=rows, rows_out=-(-rows // 8) * 8, impl="pallas", **kw)
+            x, rows=rows, rows_out=-(-rows // STACKED_ROW_ALIGN) * STACKED_ROW_ALIGN,
+            impl="pallas", **kw)
         return Fp8Activation(values, row_scale)
 
     def block_input(x, shift, scale, eps):
