@@ -78,12 +78,17 @@ def _check(out, args, kw, seed, tol_frac=2e-3, loose=False):
     err = np.abs(deq - q).max() / np.abs(q).max()
     assert err <= (2 ** -5 if loose else 2 ** -7), (seed, err)  # hi + lo: ~2^-8 each
     lo, hi = int(offset), int(offset) + t
-    for got, old, want in ((ck, ck0, k8), (cv, cv0, v8)):
+    # K is rotated: a one-ulp flip of a bf16 input (|a| <= sqrt(2) x the head's largest
+    # rotated value) moves a cancelling a*c - b*s by up to 2^-7 x sqrt(2) of the head's
+    # largest value, far beyond its own rtol when the result is small. V is only scaled.
+    k_atol = 2.0 ** -6 * np.abs(k8).max(-1, keepdims=True)
+    for got, old, want, atol in ((ck, ck0, k8, k_atol), (cv, cv0, v8, 0.0)):
         g, o = np.asarray(got, np.float32), np.asarray(old, np.float32)
         new = g[int(layer), lo:hi]
         assert (new != want).mean() < tol_frac, seed
-        np.testing.assert_allclose(new, want, rtol=0.13, atol=0.5 if loose else 0,
-                                   err_msg=str(seed))
+        bound = 0.13 * np.abs(want) + np.maximum(atol, 0.5 if loose else 0.0)
+        bad = np.abs(new - want) > bound
+        assert not bad.any(), (seed, np.argwhere(bad)[:4], new[bad][:4], want[bad][:4])
         rest = np.ones(g.shape[:2], bool)
         rest[int(layer), lo:hi] = False
         np.testing.assert_array_equal(g[rest], o[rest])  # nothing else written
