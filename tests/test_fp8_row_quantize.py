@@ -277,7 +277,12 @@ def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
     hs = np.maximum(np.abs(h).max(-1), rq.AMAX_FLOOR) / rq.FP8_MAX
     hq = np.clip(h / hs[:, None], -rq.FP8_MAX, rq.FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     assert (np.abs(s32[:m] / hs - 1) > 1e-6).mean() < 0.02, seed
-    assert (q32[:m] != hq.astype(np.float32)).mean() < 2e-3, seed
+    # The GPU's tanh differs from float64's in the last float32 bits: a bf16 rounding of
+    # GELU flips now and then, and an e4m3 value with it (0.23% of them in one GELU run
+    # at 8064): each by one e4m3 step at most.
+    hq32 = hq.astype(np.float32)
+    assert (q32[:m] != hq32).mean() < (5e-3 if prologue == "gelu" else 2e-3), seed
+    assert (np.abs(q32[:m] - hq32) <= 0.126 * np.abs(hq32) + 2.0 ** -9).all(), seed
 
 
 def test_engine_step_with_the_kernel_matches_xla(monkeypatch, engine_latents):
