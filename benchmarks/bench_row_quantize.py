@@ -15,7 +15,7 @@ two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
 Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
-trailing 'r' for Layout.reload, 'c' for Layout.recompute.
+trailing 'r' for Layout.reload.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r",
 
 
 def parse_layout(text: str) -> rq.Layout:
-    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload or 'c' for Layout.recompute;
-    CHUNK 'full': one chunk."""
-    rows, chunk, warps = text.rstrip("rc").split("x")
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps),
-                     reload=text.endswith("r"), recompute=text.endswith("c"))
+    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
+    reload = text.endswith("r")
+    rows, chunk, warps = text.rstrip("r").split("x")
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), reload)
 
 
 def variants(prologue, layouts):

@@ -13,8 +13,9 @@ its ratio to the first.
 Option sets (`--sets`, comma-separated names):
   default     the compiler's defaults
   cb_off      no command buffers: every kernel launched from the host
-  cb_while    command buffers also around while loops and conditionals (the block scans
-              become one graph each: no host round trip per iteration)
+  cb_while    command buffers for fusions, cuBLAS(Lt), custom calls and cuDNN, and around
+              while loops and conditionals too (each block scan one graph: no host round
+              trip per iteration)
   cb_while_unroll  as cb_while, loops of known trip count unrolled inside the graph
   cb_min1     the default command-buffer types, graphs of any size (min graph size 1)
 
@@ -37,12 +38,13 @@ import time
 
 import numpy as np
 
-_CB_DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+# Command-buffer types named explicitly (XLA's default set may differ by version).
+_CB_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
 OPTION_SETS = {
     "default": {},
     "cb_off": {"xla_gpu_enable_command_buffer": ""},
-    "cb_while": {"xla_gpu_enable_command_buffer": _CB_DEFAULT + ",WHILE,CONDITIONAL"},
-    "cb_while_unroll": {"xla_gpu_enable_command_buffer": _CB_DEFAULT + ",WHILE,CONDITIONAL",
+    "cb_while": {"xla_gpu_enable_command_buffer": _CB_TYPES + ",WHILE,CONDITIONAL"},
+    "cb_while_unroll": {"xla_gpu_enable_command_buffer": _CB_TYPES + ",WHILE,CONDITIONAL",
                         "xla_gpu_command_buffer_unroll_loops": True},
     "cb_min1": {"xla_gpu_graph_min_graph_size": 1},
 }
@@ -68,6 +70,7 @@ def main(argv=None) -> int:
 
     from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.measure.bench import random_session_inputs
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     cfg = load_config(args.config)
@@ -83,19 +86,15 @@ def main(argv=None) -> int:
     gen = DiTGenerator(cfg, tp=1, seed=args.seed)
     jax.block_until_ready((gen.params, gen.state))
     log(f"[options] {cfg.name}: params and state on the device in {time.perf_counter() - t0:.1f} s")
-    rng = np.random.default_rng(args.seed)
-    image = rng.standard_normal((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)).astype(np.float32)
-    prompt = list(rng.integers(0, cfg.model.prompt_vocab, size=min(48, cfg.cache.max_prompt_tokens)))
     engine = gen.engine
-    audio = jax.device_put(rng.standard_normal((cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim))
-                           .astype(np.float32), engine.replicated)
+    image, prompt, audio = random_session_inputs(cfg, engine, args.seed)
     gen.start_session(image, prompt, seed=args.seed)
 
     lowered = engine.step.lower(gen.params, gen.state, audio)
     exes, compile_s = {}, {}
     for name in names:
         t0 = time.perf_counter()
-        exes[name] = lowered.compile(compiler_options=OPTION_SETS[name]) if OPTION_SETS[name] else lowered.compile()
+        exes[name] = lowered.compile(compiler_options=OPTION_SETS[name] or None)
         compile_s[name] = time.perf_counter() - t0
         log(f"[options] {name}: compiled in {compile_s[name]:.1f} s")
 

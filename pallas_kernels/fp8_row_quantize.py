@@ -52,22 +52,16 @@ class Layout:
     of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
     (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
     that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
-    time, not the row; False keeps the row in registers, read once. ``recompute`` (without
-    reload): the row is held as read (x.dtype: half the registers of float32 for bf16) and
-    the prologue is computed twice, for the maximum and for the store, instead of holding
-    its float32 result; fewer registers per row, more rows resident per SM."""
+    time, not the row; False keeps the row in registers, read once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
     reload: bool = False
-    recompute: bool = False
 
     def __post_init__(self):
         if self.reload and self.chunk is None:
             raise ValueError("Layout.reload loops over chunks: give a chunk size")
-        if self.reload and self.recompute:
-            raise ValueError("Layout.recompute holds the row in registers; reload does not")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -154,9 +148,8 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
         return cols, cols < d
 
     def remembered(kind, fn):
-        """fn(i) once per chunk with the row in registers; every time with reload (and,
-        for the prologue's result, with recompute)."""
-        if layout.reload or (kind == "h" and layout.recompute):
+        """fn(i) once per chunk with the row in registers; every time with reload."""
+        if layout.reload:
             return fn
 
         def once(i):
@@ -166,14 +159,11 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
         return once
 
     @functools.partial(remembered, "x")
-    def x_as_read(i):
+    def x_of(i):
         cols, inside = lanes(i)
         x = plt.load(x_ref.at[row_ids[:, None], cols[None, :]],
                      mask=valid[:, None] & inside[None, :], other=0.0)
-        return x if layout.recompute else x.astype(jnp.float32)
-
-    def x_of(i):
-        return x_as_read(i).astype(jnp.float32)
+        return x.astype(jnp.float32)
 
     rstd = None
     if prologue == "norm":

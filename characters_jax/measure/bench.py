@@ -58,6 +58,21 @@ def _device_memory() -> dict:
     return stats
 
 
+def random_session_inputs(cfg, engine, seed: int):
+    """A session's inputs drawn at random: (image latent [grid_h, grid_w, C] float32,
+    prompt ids (up to 48), one step's audio [A_tok, F_a] float32 on the devices,
+    replicated)."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+    image = rng.standard_normal((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)).astype(np.float32)
+    prompt = list(rng.integers(0, cfg.model.prompt_vocab, size=min(48, cfg.cache.max_prompt_tokens)))
+    audio = jax.device_put(
+        rng.standard_normal((cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)).astype(np.float32), engine.replicated
+    )
+    return image, prompt, audio
+
+
 def run_bench(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -81,12 +96,7 @@ def run_bench(args) -> dict:
     log(f"[bench] params and state on devices in {init_s:.1f} s")
 
     engine = gen.engine
-    rng = np.random.default_rng(args.seed)
-    image = rng.standard_normal((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)).astype(np.float32)
-    prompt = list(rng.integers(0, cfg.model.prompt_vocab, size=min(48, cfg.cache.max_prompt_tokens)))
-    audio = jax.device_put(
-        rng.standard_normal((cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim)).astype(np.float32), engine.replicated
-    )
+    image, prompt, audio = random_session_inputs(cfg, engine, args.seed)
 
     t0 = time.perf_counter()
     step_exe = engine.step.lower(gen.params, gen.state, audio).compile()
