@@ -36,6 +36,11 @@ row m of the product with ``scale`` in the epilogue, before the addend (both sch
 rows from R on are scaled by 0 (a caller that padded x's rows passes the scales of
 the real rows: the kernel's copy is bounded there, so no pad of the scales is needed).
 
+Leading product: ``lead`` (a ``Product``: x_fp8 [M, K1], w_stacked [L, N, K1], scale,
+row_scale, as below) is summed with x @ w.T in the same accumulator, in one kernel
+(stream-K only; ``fp8_gemm_stream_k``): the attention-out and MLP-down projections of a
+block in one call, not two with the first's bf16 output as the second's addend.
+
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
 scale [] float32 (x scale * w scale, or w scale with row_scale), row_scale None or [R]
 float32 (R <= M), addend None or [M, N].  K % tile_k == 0 and
@@ -53,6 +58,7 @@ from pallas_kernels import fp8_gemm_stream_k as _sk
 
 FP8 = jnp.float8_e4m3fn
 Config = _fa.Config
+Product = _sk.Product
 # The data-parallel schedule (``fp8_gemm_allreduce._kernel`` at tp = 1: whole output tiles per
 # block): 128 x (2 x 128) x 128, 3 stages.
 TILES_CONFIG = Config()
@@ -121,13 +127,8 @@ def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None
     return NARROW_TILES_CONFIG if gain > NARROW_TILE_COST else TILES_CONFIG
 
 
-def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None,
-              row_scale=None):
-    """Plain jnp: (x @ w_stacked[layer].T) * scale (* row_scale[:, None]) (+ addend) in
-    float32, then out_dtype.
-
-    The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
-    """
+def _reference_product(x_fp8, w_stacked, layer, scale, row_scale=None):
+    """(x @ w_stacked[layer].T) * scale (* row_scale[:, None]): [M, N] float32."""
     w = lax.dynamic_index_in_dim(w_stacked, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
     if jnp.ndim(scale):
         scale = lax.dynamic_index_in_dim(scale, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
@@ -137,6 +138,19 @@ def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=
     if row_scale is not None:
         rows = row_scale.astype(jnp.float32)
         y = y * jnp.pad(rows, (0, y.shape[0] - rows.shape[0]))[:, None]
+    return y
+
+
+def reference(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16, addend=None,
+              row_scale=None, lead: Product | None = None):
+    """Plain jnp: (x @ w_stacked[layer].T) * scale (* row_scale[:, None]) (+ lead's product)
+    (+ addend) in float32, then out_dtype.
+
+    The layer is taken like ``lax.dynamic_index_in_dim`` (clamped), i.e. XLA slices it.
+    """
+    y = _reference_product(x_fp8, w_stacked, layer, scale, row_scale)
+    if lead is not None:
+        y = _reference_product(lead.x, lead.w, layer, lead.scale, lead.row_scale) + y
     if addend is not None:
         y = y + addend.astype(jnp.float32)
     return y.astype(out_dtype)
@@ -152,6 +166,17 @@ def uses_kernel(x_fp8, w_stacked, impl="auto", config: Config | None = None) -> 
     n, k = w_stacked.shape[-2:]
     return (x_fp8.dtype == FP8 and w_stacked.dtype == FP8 and fits(n, k, config)
             and is_supported())
+
+
+def _check_lead(x_fp8, w_stacked, row_scale, lead: Product | None):
+    if lead is None:
+        return
+    _check(lead.x, lead.w, jnp.int32(0), lead.scale, row_scale=lead.row_scale)
+    if (lead.x.shape[0] != x_fp8.shape[0] or lead.w.shape[:2] != w_stacked.shape[:2]):
+        raise ValueError(f"lead product x {lead.x.shape}, w {lead.w.shape} must have x's rows "
+                         f"and the stack's [L, N] = {w_stacked.shape[:2]}")
+    if (lead.row_scale is None) != (row_scale is None):
+        raise ValueError("lead has per-row scales exactly when x has")
 
 
 def _check(x_fp8, w_stacked, layer, scale, addend=None, row_scale=None):
@@ -175,10 +200,15 @@ def _check(x_fp8, w_stacked, layer, scale, addend=None, row_scale=None):
 
 
 def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interpret: bool,
-            addend=None, num_sms=None, row_scale=None):
-    if x_fp8.dtype != FP8 or w_stacked.dtype != FP8:
-        raise ValueError(f"the kernel takes float8_e4m3fn operands, got {x_fp8.dtype}, "
-                         f"{w_stacked.dtype}")
+            addend=None, num_sms=None, row_scale=None, lead: Product | None = None):
+    for a in (x_fp8, w_stacked) + ((lead.x, lead.w) if lead is not None else ()):
+        if a.dtype != FP8:
+            raise ValueError(f"the kernel takes float8_e4m3fn operands, got {a.dtype}")
+    if lead is not None and not config.stream_k:
+        raise ValueError("a leading product needs the stream-K schedule (Config.stream_k)")
+    if lead is not None and not fits(lead.w.shape[1], lead.w.shape[2], config):
+        raise ValueError(f"lead shape N={lead.w.shape[1]} K={lead.w.shape[2]} does not fit "
+                         f"tiles {config}")
     if config.reduce != "xla" and not (config.stream_k and config.reduce == "tma_add"):
         raise ValueError("the stacked GEMM stores its tiles (Config.reduce='xla'; with "
                          "stream_k also 'tma_add': a cut tile's pieces summed by TMA)")
@@ -187,7 +217,11 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     if not fits(n, k, config):
         raise ValueError(f"shape N={n} K={k} does not fit tiles {config}")
     m8 = -(-m // 8) * 8
-    x = x_fp8 if m8 == m else jnp.pad(x_fp8, ((0, m8 - m), (0, 0)))
+    pad8 = lambda a: a if m8 == m else jnp.pad(a, ((0, m8 - m), (0, 0)))  # noqa: E731
+    x = pad8(x_fp8)
+    if lead is not None:
+        lead = Product(pad8(lead.x), lead.w, jnp.reshape(jnp.asarray(lead.scale, jnp.float32),
+                                                          (-1,)), lead.row_scale)
     if addend is not None:
         addend = addend.astype(out_dtype)
         addend = addend if m8 == m else jnp.pad(addend, ((0, m8 - m), (0, 0)))
@@ -198,7 +232,8 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     if config.stream_k:
         teams = _sk.teams_for(m8, n, config, sms)
         out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
-                         config=config, teams=teams, interpret=interpret, row_scale=row_scale)
+                         config=config, teams=teams, interpret=interpret, row_scale=row_scale,
+                         lead=lead)
     else:
         out, _ = _fa._kernel(
             x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
@@ -209,7 +244,8 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
 
 def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16,
                        impl="auto", config: Config | None = None, addend=None,
-                       num_sms: int | None = None, row_scale=None) -> jax.Array:
+                       num_sms: int | None = None, row_scale=None,
+                       lead: Product | None = None) -> jax.Array:
     """x_fp8: [M, K] float8_e4m3fn (any M; rows padded to a multiple of 8 only);
     w_stacked: [L, N, K] float8_e4m3fn (K-major, N output features); layer: [] int32,
     may be traced (the scan's layer index; clamped to [0, L) like dynamic_slice);
@@ -219,8 +255,11 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     applied with it; rows from R on are scaled by 0;
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
     float32 before the rounding to out_dtype.
+    lead: None or a ``Product`` (x_fp8 [M, K1], w_stacked [L, N, K1], scale, row_scale as
+    above, row scales exactly when x has them), whose product is added: one stream-K kernel
+    over K1 + K.
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (* row_scale[:, None])
-    (+ addend).
+    (+ lead's product) (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
     config: the kernel's tiling (default ``pick_config(N, K, M)``); ``Config(stream_k=True)``
@@ -228,14 +267,17 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     num_sms: the kernel's persistent grid (default: the device's SMs; 2 under the
     interpreter)."""
     _check(x_fp8, w_stacked, layer, scale, addend, row_scale)
+    _check_lead(x_fp8, w_stacked, row_scale, lead)
     config = config or pick_config(*w_stacked.shape[1:], m=x_fp8.shape[0])
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
-        impl = "pallas" if uses_kernel(x_fp8, w_stacked, "auto", config) else "reference"
+        runs = uses_kernel(x_fp8, w_stacked, "auto", config) and (
+            lead is None or (config.stream_k and uses_kernel(lead.x, lead.w, "auto", config)))
+        impl = "pallas" if runs else "reference"
     if impl == "reference":
         return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend,
-                         row_scale=row_scale)
+                         row_scale=row_scale, lead=lead)
     return _pallas(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, config=config,
                    interpret=impl == "interpret", addend=addend, num_sms=num_sms,
-                   row_scale=row_scale)
+                   row_scale=row_scale, lead=lead)

@@ -55,12 +55,27 @@ Shapes and dtypes (one device):
                     once to shared memory: a block only ever works on one M tile); rows
                     from R on are out of the copy's bounds and scaled by 0
   addend None or [Mx, N] out_dtype
+  lead   None or a ``Product`` (x [Mx, K1], w [L, N, K1], scale, row_scale as above): a
+         second product summed in the same accumulator, its K steps first (below)
   out    [Mx, N]    out_dtype
+
+A leading product (``lead``): out = lead.x @ lead.w[layer].T * (lead's scales) + x @
+w[layer].T * (scales) (+ addend), in one K loop over K1 + K steps (the attention-out and
+MLP-down projections of a block, which are summed before their all-reduce: one kernel, no
+bf16 [Mx, N] written by the first and read back as the second's addend). The memory
+warpgroup reads step kk from lead's operands below K1 / tile_k and from x, w past it. The
+two products have their own scales, so the accumulator is kept in the second's units:
+where a segment's K steps cross from lead's to x's (or end inside lead's), the compute
+warpgroups multiply it by lead's scale over x's, per row with row scales
+(lead.row_scale[m] * lead.scale / (row_scale[m] * scale); 0 on rows whose scale is 0, the
+padding rows), and the epilogue applies x's scales as without a lead. The partial pieces of
+cut tiles are then in the same units as their owners'.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +96,22 @@ PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as b
 # loop, the partial's stores, a whole tile's store, the owner's wait for the partial and
 # its load, the merged tile's store, the final wait for the TMA stores.
 PROFILE_SCOPES = ("mainloop", "partial", "store", "merge_wait", "merge_store", "drain")
+
+
+class Product(NamedTuple):
+    """One FP8 product's operands (the ``lead`` of ``kernel``): x [Mx, K] e4m3, w [L, N, K]
+    e4m3 (read at the kernel's layer), scale [1] or [L] float32, row_scale None or [R]
+    float32 (R <= Mx)."""
+
+    x: jax.Array
+    w: jax.Array
+    scale: jax.Array
+    row_scale: jax.Array | None = None
+
+
+# The ratio of two rows' scales is 0 where the divisor is below this (the zero scales of
+# padding rows; a real row's scale is at least fp8_linear.AMAX_FLOOR / 448 times w's).
+RATIO_FLOOR = float(np.finfo(np.float32).tiny)
 
 
 def scoped(name: str, fn):
@@ -139,7 +170,7 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
 
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
            interpret: bool = False, profile_dir: str = "", axis_name: str = "tp", tp: int = 1,
-           row_scale=None):
+           row_scale=None, lead: Product | None = None):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
     [Mx, N] (tp = 1), or (own [Mx, N], received [tp - 1, Mx, N]) on tp > 1 devices.
 
@@ -162,6 +193,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     semaphores themselves are checked on the GPU only).
     profile_dir: "" or a directory where the Mosaic GPU profiler writes a per-warpgroup
     trace of the named scopes (PROFILE_SCOPES; benchmarks/gemm_profile.py reads it).
+    lead: None or a ``Product`` summed into the same accumulator, its K steps first (module
+    docstring); it has row scales exactly when x has.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -174,7 +207,18 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         raise ValueError(f"shape M={mx} N={n} K={k} does not fit tiles {c}")
     if c.tile_n % c.epi_n or c.tile_m % c.epi_m or c.epi_n % PART_EPI_N:
         raise ValueError(f"epilogue sub-tiles do not divide the tile: {c}")
-    m_iters, n_iters, k_iters = -(-mx // c.tile_m), n // cta_n, k // c.tile_k
+    has_lead = lead is not None
+    lead_k = lead.x.shape[1] if has_lead else 0
+    if has_lead:
+        if lead.x.shape[0] != mx or lead.w.shape != (w.shape[0], n, lead_k):
+            raise ValueError(f"lead product x {lead.x.shape}, w {lead.w.shape} does not match "
+                             f"[{mx}, K1] and [{w.shape[0]}, {n}, K1]")
+        if lead_k % c.tile_k or not lead_k:
+            raise ValueError(f"lead K={lead_k} is not a positive multiple of {c.tile_k}")
+        if (lead.row_scale is None) != (row_scale is None):
+            raise ValueError("lead has row scales exactly when x has")
+    lead_iters = lead_k // c.tile_k  # the K steps read from lead's operands (they come first)
+    m_iters, n_iters, k_iters = -(-mx // c.tile_m), n // cta_n, lead_iters + k // c.tile_k
     units = n_iters * k_iters
     if not 1 <= teams <= n_iters:
         raise ValueError(f"stream-K needs 1 <= teams <= N tiles ({n_iters}), got {teams}")
@@ -197,6 +241,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     has_rows = row_scale is not None
     if has_rows:
         row_scale = pad_row_scales(row_scale, mx, c.tile_m)
+        if has_lead:
+            lead = lead._replace(row_scale=pad_row_scales(lead.row_scale, mx, c.tile_m))
     in_tf, out_tf = smem_transforms(c, out_dtype)
     f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]
@@ -207,12 +253,15 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         refs = list(refs)
         rows_ref = refs.pop(0) if has_rows else None
         addend_ref = refs.pop(0) if has_addend else None
+        lx_ref, lw_ref, lscale_ref = (refs.pop(0) for _ in range(3)) if has_lead else [None] * 3
+        lrows_ref = refs.pop(0) if has_lead and has_rows else None
         out_ref = refs.pop(0)
         recv_ref = refs.pop(0) if peers else None
         part_ref, stage_u, out_u, bars, *row_bufs = refs
-        rows_smem, rows_bar = row_bufs if has_rows else (None, None)
+        rows_smem, rows_bar, lrows_smem = (row_bufs + [None])[:3] if has_rows else [None] * 3
         layer_idx = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
         w_l = w_ref.at[layer_idx]
+        lw_l = lw_ref.at[layer_idx] if has_lead else None
         if f32_parts:
             (x_smem, w_smem), pbuf = stage_u
             out_smem, pstage = out_u
@@ -243,15 +292,25 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             def issue(i, slot):
                 ni = lax.div(u0 + i, k_iters)
                 kk = u0 + i - ni * k_iters
-                ks = pl.ds(kk * c.tile_k, c.tile_k)
-                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(mi * c.tile_m, c.tile_m), ks],
-                                        x_smem.at[slot], full.at[slot])
-                plgpu.copy_gmem_to_smem(w_l.at[pl.ds(ni * cta_n, cta_n), ks],
-                                        w_smem.at[slot], full.at[slot])
 
-            if has_rows:  # this block's rows' scales, once
-                plgpu.copy_gmem_to_smem(rows_ref.at[pl.ds(mi * c.tile_m, c.tile_m)],
-                                        rows_smem, rows_bar)
+                def copy(xr, wr, step):
+                    ks = pl.ds(step * c.tile_k, c.tile_k)
+                    plgpu.copy_gmem_to_smem(xr.at[pl.ds(mi * c.tile_m, c.tile_m), ks],
+                                            x_smem.at[slot], full.at[slot])
+                    plgpu.copy_gmem_to_smem(wr.at[pl.ds(ni * cta_n, cta_n), ks],
+                                            w_smem.at[slot], full.at[slot])
+
+                if not has_lead:
+                    copy(x_ref, w_l, kk)
+                    return
+                pl.when(kk < lead_iters)(lambda: copy(lx_ref, lw_l, kk))
+                pl.when(kk >= lead_iters)(lambda: copy(x_ref, w_l, kk - lead_iters))
+
+            if has_rows:  # this block's rows' scales (and lead's), once
+                tile_rows = pl.ds(mi * c.tile_m, c.tile_m)
+                plgpu.copy_gmem_to_smem(rows_ref.at[tile_rows], rows_smem, rows_bar)
+                if has_lead:
+                    plgpu.copy_gmem_to_smem(lrows_ref.at[tile_rows], lrows_smem, rows_bar)
             for i in range(stages):
                 pl.when(i < n_steps)(lambda i=i: issue(i, i))
 
@@ -289,23 +348,49 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 fence_proxy_async_global()
                 plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope=sem_scope)
 
-            def mainloop(t, kb, ke):
-                def run(acc_ref):
-                    @pl.loop(kb, ke)
-                    def _step(kk):
-                        i = t * k_iters + kk - u0
-                        slot = lax.rem(i, stages)
-                        plgpu.barrier_wait(full.at[slot])
-                        w_half = w_smem.at[slot].at[pl.ds(wg * c.tile_n, c.tile_n)]
-                        plgpu.wgmma(acc_ref, x_smem.at[slot], w_half.transpose((1, 0)))
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[slot])
-                        if partials:
-                            pl.when(jnp.logical_and(defer_signal, i == signal_step))(
-                                signal_partial)
-                    return acc_ref[...]
+            def lead_ratio():
+                """lead's scales over x's: [tile_m, tile_n] (per row), or a scalar."""
+                lscale = lscale_ref[0] if lscale_ref.shape[0] == 1 else lscale_ref[layer_idx]
+                if not has_rows:
+                    return lscale / jnp.maximum(scale, RATIO_FLOOR)
+                den = rows_smem[...] * scale
+                r = jnp.where(den >= RATIO_FLOOR, lrows_smem[...] * lscale / jnp.maximum(
+                    den, RATIO_FLOOR), 0.0)
+                return lax.broadcast_in_dim(r, (c.tile_m, c.tile_n), (0,))
 
-                return pl.run_scoped(run, plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+            def mainloop(t, kb, ke):
+                """The K steps [kb, ke) of slab t: the accumulator [tile_m, tile_n] float32,
+                in x's units (lead's steps rescaled, module docstring)."""
+                if not has_lead:
+                    return pl.run_scoped(lambda acc_ref: steps(acc_ref, t, kb, ke),
+                                         plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                km = jnp.minimum(jnp.maximum(kb, lead_iters), ke)  # where x's steps begin
+                acc = pl.run_scoped(lambda acc_ref: steps(acc_ref, t, kb, km),
+                                    plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                if interpret:  # no run_state there: x's steps on their own, then the sum
+                    return acc * lead_ratio() + pl.run_scoped(
+                        lambda acc_ref: steps(acc_ref, t, km, ke),
+                        plgpu.ACC((c.tile_m, c.tile_n), jnp.float32))
+                # One accumulator (a second would not fit in the registers): x's steps go on
+                # from lead's, rescaled.
+                return pl.run_state(lambda acc_ref: steps(acc_ref, t, km, ke, read=False))(
+                    plgpu.ACC.init(acc * lead_ratio()))
+
+            def steps(acc_ref, t, kb, ke, read=True):
+                """The wgmmas of K steps [kb, ke) of slab t onto acc_ref (then its value)."""
+                @pl.loop(kb, ke)
+                def _step(kk):
+                    i = t * k_iters + kk - u0
+                    slot = lax.rem(i, stages)
+                    plgpu.barrier_wait(full.at[slot])
+                    w_half = w_smem.at[slot].at[pl.ds(wg * c.tile_n, c.tile_n)]
+                    plgpu.wgmma(acc_ref, x_smem.at[slot], w_half.transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty.at[slot])
+                    if partials:
+                        pl.when(jnp.logical_and(defer_signal, i == signal_step))(
+                            signal_partial)
+                return acc_ref[...] if read else None
 
             def write_partial(acc, t):
                 del t
@@ -439,10 +524,13 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         bars += (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
 
     # The row scales of the block's M tile and their arrival.
-    row_bufs = ((plgpu.SMEM((c.tile_m,), jnp.float32), plgpu.Barrier()) if has_rows else ())
+    # (lead's, with a lead: both copies on the one barrier).
+    row_bufs = ((plgpu.SMEM((c.tile_m,), jnp.float32), plgpu.Barrier(num_arrivals=1 + has_lead))
+                + ((plgpu.SMEM((c.tile_m,), jnp.float32),) if has_lead else ())
+                if has_rows else ())
 
     def entry(*refs):
-        n_in = 4 + has_addend + has_rows
+        n_in = 4 + has_addend + has_rows + (3 + has_rows if has_lead else 0)
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *scoped: body(*ins, *outs, *scoped),
                       stage_spec, out_spec,
@@ -469,5 +557,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             profile_space=2 * (-(-n_iters // teams) + 1) + 4 if profile_dir else 0,
             profile_dir=profile_dir),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(x, w, scale, layer, *((row_scale,) if has_rows else ()), *((addend,) if has_addend else ()))
+    )(x, w, scale, layer, *((row_scale,) if has_rows else ()), *((addend,) if has_addend else ()),
+      *((lead.x, lead.w, lead.scale) + ((lead.row_scale,) if has_rows else ())
+        if has_lead else ()))
     return (outs[0], outs[1]) if peers else outs[0]

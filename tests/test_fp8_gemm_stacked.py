@@ -558,3 +558,100 @@ def test_stream_k_profile_build_keeps_its_results(tmp_path):
         x, w, jnp.reshape(scale, (1,)), None, jnp.ones((1,), jnp.int32), out_dtype=jnp.bfloat16,
         config=config, teams=teams, interpret=True, profile_dir=str(tmp_path)))(x8, w8)
     assert _rel_err(out, _exact(x8, w8, 1, scale)) < 4e-3
+
+
+@pytest.mark.parametrize("m,n,k1,k,num_sms,config,with_rows,with_addend", [
+    # 1 M tile x 4 slabs of 2 + 2 K steps on 3 teams: an owner's cut segment wholly in
+    # lead's steps, a partial crossing from lead's steps to x's, one wholly in x's
+    (120, 512, 256, 256, 3, st.NARROW_STREAM_K_CONFIG, True, False),
+    (120, 512, 256, 256, 3, st.NARROW_STREAM_K_CONFIG, False, True),
+    # 2 M tiles (133 real rows: the padding rows' scales are 0) x 3 slabs of 2 + 4 steps
+    (133, 768, 256, 512, 4, st.STREAM_K_CONFIG, True, True),
+    (136, 768, 512, 256, 4, st.STREAM_K_F32_CONFIG, True, False),  # the float32 merge
+    (40, 256, 384, 128, 2, st.STREAM_K_CONFIG, True, False),  # one tile, no cut
+])
+def test_lead_product_in_interpreter_matches_reference(m, n, k1, k, num_sms, config, with_rows,
+                                                       with_addend):
+    """A leading product (attention-out before MLP-down) in the same stream-K accumulator,
+    under the interpreter in a scan over 2 layers: per-layer scale stacks of both, per-row
+    scales of both (the accumulator rescaled where the K steps switch operands), the
+    addend; against float64 with each product scaled by its own scales."""
+    seed = _seed()
+    layers = 2
+    x8, w8, _ = _operands(seed, m, n, k, layers)
+    lx8, lw8, _ = _operands(seed + 1, m, n, k1, layers)
+    keys = jax.random.split(jax.random.key(seed + 2), 5)
+    scales = jax.random.uniform(keys[0], (layers,), minval=0.5, maxval=2.0) / 4096
+    lscales = jax.random.uniform(keys[1], (layers,), minval=4.0, maxval=16.0) / 4096
+    rows = lrows = None
+    if with_rows:  # lead's rows ~30x x's: the switch's rescale matters
+        rows = jax.random.uniform(keys[2], (m,), minval=0.1, maxval=1.0)
+        lrows = jax.random.uniform(keys[3], (m,), minval=3.0, maxval=30.0)
+    add = ((jax.random.normal(keys[4], (layers, m, n)) * 30).astype(jnp.bfloat16)
+           if with_addend else None)
+
+    @jax.jit
+    def run(x8, w8, lx8, lw8, add):
+        def body(carry, layer):
+            a = None if add is None else add[layer]
+            lead = st.Product(lx8, lw8, lscales, lrows)
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scales, impl="interpret",
+                                                config=config, addend=a, num_sms=num_sms,
+                                                row_scale=rows, lead=lead)
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, lx8, lw8, add)
+    r = np.ones(m) if rows is None else np.asarray(rows, np.float64)
+    lr = np.ones(m) if lrows is None else np.asarray(lrows, np.float64)
+    for layer in range(layers):
+        main = _exact(x8, w8, layer, scales[layer]) * r[:, None]
+        first = _exact(lx8, lw8, layer, lscales[layer]) * lr[:, None]
+        want = main + first + (0 if add is None else np.asarray(add[layer], np.float64))
+        assert np.isfinite(np.asarray(out[layer], np.float32)).all(), seed
+        assert _rel_err(out[layer], want) < 4e-3, (seed, layer)
+        # Without lead's product (or with it unscaled) the error would be 10x the bound.
+        assert np.linalg.norm(first) > 0.04 * np.linalg.norm(want)
+    # The reference path agrees (it is what 'auto' runs on the CPU).
+    ref = st.stacked_fp8_matmul(x8, w8, 1, scales, row_scale=rows, impl="reference",
+                                addend=None if add is None else add[1],
+                                lead=st.Product(lx8, lw8, lscales, lrows))
+    assert _rel_err(ref, np.asarray(out[1], np.float64)) < 4e-3
+
+
+def test_lead_product_is_checked():
+    x8, w8 = jnp.zeros((64, 256), FP8), jnp.zeros((2, 256, 256), FP8)
+    ok = st.Product(jnp.zeros((64, 128), FP8), jnp.zeros((2, 256, 128), FP8), jnp.ones((2,)))
+    for bad, match in ((ok._replace(x=jnp.zeros((32, 128), FP8)), "rows"),
+                       (ok._replace(w=jnp.zeros((2, 512, 128), FP8)), "N"),
+                       (ok._replace(row_scale=jnp.ones((64,))), "per-row")):
+        with pytest.raises(ValueError, match=match):
+            st.stacked_fp8_matmul(x8, w8, 0, jnp.ones((2,)), lead=bad, impl="interpret")
+    with pytest.raises(ValueError, match="stream-K"):
+        st.stacked_fp8_matmul(x8, w8, 0, jnp.ones((2,)), lead=ok, impl="interpret",
+                              config=st.TILES_CONFIG)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_lead_product_lowers_at_characters_57b_shapes(tp):
+    """attention-out (K1 = 9216 / tp) leading MLP-down (K = 32256 / tp), per-row scales of
+    both and the [60] scale stacks, lowered for CUDA in a scan: one Mosaic call that takes
+    both weight stacks whole, nothing sliced (the one-accumulator path: run_state)."""
+    k1, k, n = 9216 // tp, 32256 // tp, 9216
+
+    def run(x8, w8, lx8, lw8, scales, rows):
+        def body(carry, layer):
+            y = st.stacked_fp8_matmul(x8, w8, layer, scales, impl="pallas", row_scale=rows,
+                                      lead=st.Product(lx8, lw8, scales, rows))
+            return carry + y[0, 0].astype(jnp.float32), None
+        return lax.scan(body, jnp.float32(0), jnp.arange(60, dtype=jnp.int32))[0]
+
+    f8 = lambda *s: jax.ShapeDtypeStruct(s, FP8)  # noqa: E731
+    text = jax.jit(run).trace(
+        f8(757, k), f8(60, n, k), f8(757, k1), f8(60, n, k1),
+        jax.ShapeDtypeStruct((60,), jnp.float32), jax.ShapeDtypeStruct((757,), jnp.float32),
+    ).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in ln]
+    assert len(calls) == 1
+    operands = calls[0].rsplit(":", 1)[-1].split("->")[0]
+    assert f"tensor<60x{n}x{k}xf8E4M3FN>" in operands and f"tensor<60x{n}x{k1}xf8E4M3FN>" in operands
+    assert _weight_slices(text) == []
