@@ -19,6 +19,9 @@
 #        ring_fused_row as ring_fused, FP8 activations quantized per row (--activation-scale
 #                     row; the GEMMs' inputs by the fused Pallas kernels, --input-quant auto; not
 #                     in the default VARIANTS)
+#        ring_fused_chained as ring_fused_row, attention-out and MLP-down as two GEMMs chained
+#                     through the addend (--out-down chained; the default joins them in one
+#                     stream-K GEMM where both run the stacked kernel; not in the default VARIANTS)
 #        ring_fused_row_xla as ring_fused_row, the GEMMs' inputs quantized by XLA (--input-quant
 #                     xla; not in the default VARIANTS)
 #        ring_fused_row_norm as ring_fused_row, only the block input by its Pallas kernel, the
@@ -114,6 +117,7 @@ for v in $VARIANTS; do
     ring_fused_sk) opts=(--mode ring --attention "$ATTN_FP8" --reduce pallas-stream-k --gemm stacked) ;;
     ring_qik)     opts=(--mode ring --attention pallas-qik --reduce "$REDUCE_FUSED" --gemm stacked) ;;
     ring_fused_row) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row) ;;
+    ring_fused_chained) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --out-down chained) ;;
     ring_fused_tensor) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale tensor) ;;
     ring_fused_row_xla) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant xla) ;;
     ring_fused_row_norm) opts=(--mode ring --attention "$ATTN_FP8" --reduce "$REDUCE_FUSED" --gemm stacked --activation-scale row --input-quant pallas-norm) ;;

@@ -144,8 +144,7 @@ DEFAULT_CONFIG = Config()
 
 def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp.bfloat16):
     """Plain-jnp/XLA reference: the FP8 dot, the scale, the addend, then ``lax.psum``."""
-    y = lax.dot_general(x_fp8, w_fp8, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32) * scale
+    y = _reference_partial(x_fp8, w_fp8, scale, None, False, None)
     if addend is not None:
         y = y + addend.astype(jnp.float32)
     return lax.psum(y.astype(out_dtype), axis_name)
@@ -465,10 +464,51 @@ def _select_layer(w_fp8, layer):
     return lax.dynamic_index_in_dim(w_fp8, jnp.asarray(layer, jnp.int32), 0, keepdims=False)
 
 
+def _kernel_scales(x, x_scale, w_fp8, w_scale, layer):
+    """(x [M, K] e4m3, scale, rows, per_layer) as the kernels take them: x quantized per
+    tensor when no x_scale is given; rows: per-row x's [R] float32 scales or None; scale:
+    x's * w's, or with per-row x w's alone (a stack's [L] as it is: per_layer)."""
+    from characters_jax.parallel.fp8_linear import quantize_activation
+
+    per_layer = layer is not None and jnp.ndim(w_scale) == 1
+    if jnp.ndim(w_scale) != 0 and not (per_layer and w_scale.shape == (w_fp8.shape[0],)):
+        raise NotImplementedError("the fused kernel takes a per-tensor weight scale (or, for "
+                                  "a stack, the stack's [L] of them)")
+    if (layer is None) != (w_fp8.ndim == 2) or w_fp8.ndim not in (2, 3):
+        raise ValueError(f"want w [N, K], or w [L, N, K] with a layer; got {w_fp8.shape}, "
+                         f"layer={layer}")
+    if x_scale is None:
+        x, x_scale = quantize_activation(x)
+    rows = None
+    if jnp.ndim(x_scale) == 1:
+        if not 1 <= x_scale.shape[0] <= x.shape[0]:
+            raise ValueError(f"per-row x_scale must be [R], R <= M = {x.shape[0]}, got "
+                             f"{x_scale.shape}")
+        rows, x_scale = x_scale.astype(jnp.float32), None
+    elif jnp.ndim(x_scale) != 0:
+        raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
+    if per_layer and x_scale is not None:  # a per-tensor x: the product needs the layer's
+        w_scale, per_layer = lax.dynamic_index_in_dim(w_scale, jnp.asarray(layer, jnp.int32),
+                                                      0, keepdims=False), False
+    scale = (w_scale if x_scale is None else x_scale * w_scale).astype(jnp.float32)
+    return x, scale, rows, per_layer
+
+
+def _reference_partial(x, w_fp8, scale, rows, per_layer, layer):
+    """The scaled product on the reference path: [M, N] float32 (x's padding rows get 0)."""
+    if per_layer:
+        scale = _select_layer(scale, layer)
+    if rows is not None:
+        scale = jnp.pad(rows, (0, x.shape[0] - rows.shape[0]))[:, None] * scale
+    return lax.dot_general(x, _select_layer(w_fp8, layer), (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.float32) * scale
+
+
 def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp",
                    out_dtype=jnp.bfloat16, x_scale=None, config: Config | None = None,
-                   use_kernel: bool | None = None, num_sms: int | None = None):
-    """All-reduced (over ``axis_name``) x @ w.T * scales (+ addend), inside shard_map.
+                   use_kernel: bool | None = None, num_sms: int | None = None, lead=None):
+    """All-reduced (over ``axis_name``) x @ w.T * scales (+ lead's product) (+ addend),
+    inside shard_map.
 
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
@@ -486,47 +526,36 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
       config: the kernel's Config (default ``DEFAULT_CONFIG``).
       use_kernel: None picks the Pallas kernel where supported, else the XLA reference.
       num_sms: the kernel's persistent grid (default: every SM).
+      lead: None or (lead_x [M, K1] e4m3, lead_w [L, N, K1] e4m3 stack at the same
+        ``layer``, lead_w_scale, lead_x_scale), scaled as x and w are (per row exactly when
+        x is): its product joins x's in the stream-K kernel's accumulator (``config`` must
+        be stream-K), one GEMM for both.
     Returns:
       [M, N] out_dtype, the same on every device.
     """
-    from characters_jax.parallel.fp8_linear import quantize_activation
-
-    per_layer = layer is not None and jnp.ndim(w_scale) == 1
-    if jnp.ndim(w_scale) != 0 and not (per_layer and w_scale.shape == (w_fp8.shape[0],)):
-        raise NotImplementedError("the fused kernel takes a per-tensor weight scale (or, for "
-                                  "a stack, the stack's [L] of them)")
-    if (layer is None) != (w_fp8.ndim == 2) or w_fp8.ndim not in (2, 3):
-        raise ValueError(f"want w [N, K], or w [L, N, K] with a layer; got {w_fp8.shape}, "
-                         f"layer={layer}")
     config = config or DEFAULT_CONFIG
-    if x_scale is None:
-        x, x_scale = quantize_activation(x)
-    rows = None
-    if jnp.ndim(x_scale) == 1:
-        if not 1 <= x_scale.shape[0] <= x.shape[0]:
-            raise ValueError(f"per-row x_scale must be [R], R <= M = {x.shape[0]}, got "
-                             f"{x_scale.shape}")
-        rows, x_scale = x_scale.astype(jnp.float32), None
-    elif jnp.ndim(x_scale) != 0:
-        raise ValueError(f"x_scale must be [] or [M], got shape {jnp.shape(x_scale)}")
-    if per_layer and x_scale is not None:  # a per-tensor x: the product needs the layer's
-        w_scale, per_layer = lax.dynamic_index_in_dim(w_scale, jnp.asarray(layer, jnp.int32),
-                                                      0, keepdims=False), False
-    # The kernels' scale: x's * w's; with per-row x, w's alone (its [L] stack as it is).
-    scale = (w_scale if x_scale is None else x_scale * w_scale).astype(jnp.float32)
+    x, scale, rows, per_layer = _kernel_scales(x, x_scale, w_fp8, w_scale, layer)
+    if lead is not None:
+        if not config.stream_k or layer is None:
+            raise ValueError("a leading product needs stacked weights and Config.stream_k")
+        lx, lw, lw_scale, lx_scale = lead
+        lx, lscale, lrows, lead_per_layer = _kernel_scales(lx, lx_scale, lw, lw_scale, layer)
+        if (lrows is None) != (rows is None) or lx.shape[0] != x.shape[0] or lw.shape[:2] != w_fp8.shape[:2]:
+            raise ValueError("the leading product needs x's rows, the stack's [L, N] and "
+                             "per-row scales exactly when x has them")
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
-        if per_layer:
-            scale = _select_layer(scale, layer)
-        if rows is not None:
-            rows = jnp.pad(rows, (0, x.shape[0] - rows.shape[0]))[:, None]
-        return reference(x, _select_layer(w_fp8, layer),
-                         scale if rows is None else rows * scale, addend,
-                         axis_name=axis_name, out_dtype=out_dtype)
+        y = _reference_partial(x, w_fp8, scale, rows, per_layer, layer)
+        if lead is not None:
+            y = y + _reference_partial(lx, lw, lscale, lrows, lead_per_layer, layer)
+        if addend is not None:
+            y = y + addend.astype(jnp.float32)
+        return lax.psum(y.astype(out_dtype), axis_name)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
-    scale1 = scale if per_layer else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    as_vec = lambda sc, pl_: sc if pl_ else jnp.reshape(jnp.asarray(sc, jnp.float32), (1,))  # noqa: E731
+    scale1 = as_vec(scale, per_layer)
     layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     kw = dict(axis_name=axis_name, tp=tp, out_dtype=out_dtype, config=config, layer=layer_arr,
               num_sms=num_sms)
@@ -540,7 +569,12 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
     if config.stream_k:
         # The stream-K kernel's TMA bounds (the kernels pad the rows' scales where needed).
         x, addend = _pad_rows(x, addend, 8, out_dtype)
-        own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, **kw)
+        if lead is not None:
+            from pallas_kernels.fp8_gemm_stream_k import Product
+
+            lead = Product(_pad_rows(lx, None, 8, out_dtype)[0], lw,
+                           as_vec(lscale, lead_per_layer), lrows)
+        own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, lead=lead, **kw)
     else:
         x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
         own, received = _kernel(x, w_fp8, scale1, addend, row_scale=rows, **kw)
@@ -573,7 +607,7 @@ def pad_row_scales(row_scale, rows: int, tile_m: int):
 
 
 def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms,
-              row_scale=None):
+              row_scale=None, lead=None):
     """The stream-K kernel with the peer exchange: (own [Mx, N], received [tp-1, Mx, N] or
     None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer;
     row_scale None or [R] float32, R <= Mx (the real rows' scales)."""
@@ -585,5 +619,5 @@ def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, n
                                         num_sms or device_sm_count())
     out = fp8_gemm_stream_k.kernel(x, w, scale, addend, layer, out_dtype=out_dtype,
                                    config=config, teams=teams, axis_name=axis_name, tp=tp,
-                                   row_scale=row_scale)
+                                   row_scale=row_scale, lead=lead)
     return out if tp > 1 else (out, None)

@@ -281,6 +281,47 @@ def test_fallback_with_layer_and_addend_matches_float_math(tp):
         fused.gemm_allreduce(x8, w8, jnp.float32(1.0), x_scale=jnp.float32(1.0), use_kernel=False)
 
 
+@pytest.mark.parametrize("tp,per_row", [(2, True), (3, False)])
+def test_fallback_with_a_leading_product_matches_float_math(tp, per_row):
+    """gemm_allreduce(lead=...) on the XLA path (CPU devices): the leading product's own
+    scales (per row or per tensor, each device its own rows' scales) and x's, summed with
+    the addend before the one reduction."""
+    mesh = _mesh(tp)
+    seed = np.random.SeedSequence().entropy % 2**31
+    ks = jax.random.split(jax.random.key(seed), 6)
+    m, k, k1, n, layers, layer = 29, 32, 16, 48, 3, 1
+    f8 = lambda key, shape: (jax.random.normal(key, shape) * 16).astype(jnp.float8_e4m3fn)  # noqa: E731
+    x8, lx8 = f8(ks[0], (m, k * tp)), f8(ks[1], (m, k1 * tp))
+    w8, lw8 = f8(ks[2], (layers, n, k * tp)), f8(ks[3], (layers, n, k1 * tp))
+    ws = jnp.array([1 / 32, 1 / 64, 1 / 16], jnp.float32)
+    lws = ws * 8
+    # Per device scales of x's rows (per_row), or one per device.
+    xs = jax.random.uniform(ks[4], (tp, m) if per_row else (tp,), minval=0.5, maxval=2) / 16
+    lxs = jax.random.uniform(ks[5], (tp, m) if per_row else (tp,), minval=2, maxval=8) / 16
+
+    def body(x, lx, w, lw, s, ls):
+        return fused.gemm_allreduce(x, w, ws, x_scale=s[0], layer=jnp.int32(layer),
+                                    use_kernel=False, config=fused.STREAM_K_CONFIG,
+                                    lead=(lx, lw, lws, ls[0]))
+
+    sh = (P(None, "tp"), P(None, "tp"), P(None, None, "tp"), P(None, None, "tp"), P("tp"),
+          P("tp"))
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=sh, out_specs=P(), check_vma=False))(
+        x8, lx8, w8, lw8, xs, lxs)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    ref = 0
+    for d in range(tp):
+        cut = lambda a, kk: f64(a)[..., d * kk:(d + 1) * kk]  # noqa: E731
+        sx = f64(xs[d])[:, None] if per_row else float(xs[d])
+        slx = f64(lxs[d])[:, None] if per_row else float(lxs[d])
+        ref = ref + cut(x8, k) @ cut(w8[layer], k).T * float(ws[layer]) * sx
+        ref = ref + cut(lx8, k1) @ cut(lw8[layer], k1).T * float(lws[layer]) * slx
+    assert _rel_err(out, ref) < 1e-2, seed
+    with pytest.raises(ValueError, match="stream_k"):
+        fused.gemm_allreduce(x8, w8, ws, x_scale=jnp.float32(1), layer=jnp.int32(0),
+                             use_kernel=False, lead=(lx8, lw8, lws, jnp.float32(1)))
+
+
 # ----------------------------------------------------------------------------------------
 # GPU: characters-57b tp = 2 shapes, many calls in a scan (what the model does).
 
@@ -337,7 +378,7 @@ def _block_problem(seed):
     return xo, xd, wo8, wd8, so, sd, np.asarray(ref, np.float32)
 
 
-def _run_block_scan(mesh, args, *, method, stacked, config=None, skew_ms=0.0):
+def _run_block_scan(mesh, args, *, method, stacked, config=None, skew_ms=0.0, join=True):
     """row_parallel_matmul_reduce([(xo, wo[l]), (xd, wd[l])]) for l in a lax.scan; returns
     every device's [L, M, N] copy (float32 of the bf16 result), device 0 first.  stacked: the weights stay whole and the kernels read block l in
     place (Fp8Weight.layer); else the scan slices them.  config: the fused kernel's Config.
@@ -366,7 +407,8 @@ def _run_block_scan(mesh, args, *, method, stacked, config=None, skew_ms=0.0):
                 take = lambda a: lax.dynamic_index_in_dim(a, l, 0, keepdims=False)  # noqa: E731
                 wo = Fp8Weight(values=take(wo8), scale=take(so))
                 wd = Fp8Weight(values=take(wd8), scale=take(sd))
-            y = row_parallel.row_parallel_matmul_reduce([(xo, wo), (xd, wd)], method=method)
+            y = row_parallel.row_parallel_matmul_reduce([(xo, wo), (xd, wd)], method=method,
+                                                        join=join)
             return carry, y
         return lax.scan(step, 0, jnp.arange(LAYERS, dtype=jnp.int32))[1]
 
@@ -433,6 +475,21 @@ def test_fused_block_in_scan_at_57b_shapes(stacked, config):
     same = [float(np.linalg.norm(o[l] - p[l]) / np.linalg.norm(p[l]))
             for o, p in zip(out, psum) for l in range(LAYERS)]
     assert max(same) < 1e-2, same
+    assert max(errs) < 1e-2, errs
+
+
+@pytest.mark.gpu
+def test_fused_block_joined_in_scan_at_57b_shapes():
+    """'pallas-stream-k' with join (the default): attention-out leads MLP-down in the
+    stream-K exchange kernel's accumulator, 8 layers in a scan on 2 GPUs, against the
+    float32 reference and against the chained form (attention-out as the addend)."""
+    mesh = _need_two_hopper_gpus()
+    *args, ref = _block_problem(1234)
+    _poison(mesh)
+    joined = _run_block_scan(mesh, args, method="pallas-stream-k", stacked=True)
+    errs = _check_layers(joined, ref, 1e-2, "pallas-stream-k joined")
+    chained = _run_block_scan(mesh, args, method="pallas-stream-k", stacked=True, join=False)
+    _check_layers(chained, ref, 1e-2, "pallas-stream-k chained")
     assert max(errs) < 1e-2, errs
 
 

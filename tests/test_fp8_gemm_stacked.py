@@ -655,3 +655,41 @@ def test_lead_product_lowers_at_characters_57b_shapes(tp):
     operands = calls[0].rsplit(":", 1)[-1].split("->")[0]
     assert f"tensor<60x{n}x{k}xf8E4M3FN>" in operands and f"tensor<60x{n}x{k1}xf8E4M3FN>" in operands
     assert _weight_slices(text) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_rows", [True, False], ids=["per_row", "per_tensor"])
+@pytest.mark.parametrize("k1,k", [(2304, 8064), (4608, 16128)], ids=["tp4", "tp2"])
+def test_lead_product_on_gpu_inside_scan(with_rows, k1, k):
+    """attention-out leading MLP-down at the characters-57b per-GPU shapes (N 9216, M 757),
+    3 layers in a scan, on the GPU (the one-accumulator path: run_state, the rescale at the
+    switch), against float64 with each product's own scales; memory poisoned with NaN."""
+    if not st.is_supported():
+        pytest.skip("needs an NVIDIA Hopper GPU")
+    seed = _seed()
+    m, n, layers = 757, 9216, 3
+    x8, w8, _ = _operands(seed, m, n, k, layers)
+    lx8, lw8, _ = _operands(seed + 1, m, n, k1, layers)
+    keys = jax.random.split(jax.random.key(seed + 2), 4)
+    scales = jax.random.uniform(keys[0], (layers,), minval=0.5, maxval=2.0) / 65536
+    lscales = jax.random.uniform(keys[1], (layers,), minval=4.0, maxval=16.0) / 65536
+    rows = jax.random.uniform(keys[2], (m,), minval=0.1, maxval=1.0) if with_rows else None
+    lrows = jax.random.uniform(keys[3], (m,), minval=3.0, maxval=30.0) if with_rows else None
+    jax.device_put(jnp.full((256 << 20,), jnp.nan, jnp.float32)).block_until_ready()
+
+    @jax.jit
+    def run(x8, w8, lx8, lw8):
+        def body(carry, layer):
+            return carry, st.stacked_fp8_matmul(x8, w8, layer, scales, impl="pallas",
+                                                row_scale=rows,
+                                                lead=st.Product(lx8, lw8, lscales, lrows))
+        return lax.scan(body, 0, jnp.arange(layers, dtype=jnp.int32))[1]
+
+    out = run(x8, w8, lx8, lw8)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), seed
+    r = np.ones(m) if rows is None else np.asarray(rows, np.float64)
+    lr = np.ones(m) if lrows is None else np.asarray(lrows, np.float64)
+    for layer in range(layers):
+        want = (_exact(x8, w8, layer, scales[layer]) * r[:, None]
+                + _exact(lx8, lw8, layer, lscales[layer]) * lr[:, None])
+        assert _rel_err(out[layer], want) < 4e-3, (seed, layer)

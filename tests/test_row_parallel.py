@@ -242,7 +242,7 @@ _F8_3D = re.compile(r"tensor<\d+x\d+x\d+xf8E4M3FN>")
 
 
 def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=512, layers=4,
-                          act_scale="tensor"):
+                          act_scale="tensor", join=False):
     """StableHLO (CUDA) of the two-pair reduction in a scan over stacked weights, with the
     Pallas kernels switched on as on a Hopper GPU."""
     from characters_jax.parallel.fp8_linear import Fp8Weight
@@ -265,7 +265,7 @@ def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=51
         def step(c, l):
             ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l) for s in stacks]
             y = row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method,
-                                                        act_scale=act_scale)
+                                                        act_scale=act_scale, join=join)
             return c + y[0, 0].astype(jnp.float32), None
         return lax.scan(step, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
 
@@ -369,3 +369,31 @@ def test_row_scales_reach_the_fused_and_stacked_kernels(monkeypatch, method, tp)
     assert not [ln for ln in text.splitlines() if "dynamic_slice" in ln and "tensor<4xf32>" in ln]
     assert not re.search(r"stablehlo.pad.*-> tensor<\d+xf32>", text)
     assert _no_weight_slices(text)
+
+
+@pytest.mark.parametrize("method,tp,act_scale", [("psum", 1, "row"), ("psum", 2, "tensor"),
+                                                 ("pallas", 1, "row"),
+                                                 ("pallas-stream-k", 2, "row"),
+                                                 ("pallas-stream-k", 3, "tensor")])
+def test_joined_out_down_is_one_gemm(monkeypatch, method, tp, act_scale):
+    """join=True (the default): attention-out leads MLP-down in one stream-K kernel that
+    takes both stacks whole (and both rows' scales): one Mosaic call per block, no bf16
+    partial between two GEMMs; 'pallas-stream-k' at tp > 1 in the exchange kernel itself.
+    The data-parallel fused kernel ('pallas' at tp >= 2) does not join."""
+    from pallas_kernels import fp8_gemm_stream_k
+
+    text = _lower_block_for_cuda(monkeypatch, method, tp=tp, act_scale=act_scale, join=True)
+    calls = _calls(text)
+    assert len(calls) == 1, calls
+    ins = calls[0].rsplit(":", 1)[-1].split("->")[0]
+    assert "tensor<4x512x128xf8E4M3FN>" in ins and "tensor<4x512x256xf8E4M3FN>" in ins
+    assert "tensor<760x128xf8E4M3FN>" in ins and "tensor<760x256xf8E4M3FN>" in ins
+    if act_scale == "row":
+        assert ins.count("tensor<757xf32>") == 2, ins
+    exchange = method == "pallas-stream-k" and tp > 1
+    assert (fp8_gemm_stream_k.ALLREDUCE_KERNEL_NAME if exchange
+            else fp8_gemm_stream_k.KERNEL_NAME) in text
+    if tp > 1:  # (at tp = 1 a psum of one device is dropped by XLA, later)
+        assert ("all_reduce" in text) == (method == "psum")
+    assert _no_weight_slices(text)
+    assert len(_calls(_lower_block_for_cuda(monkeypatch, "pallas", tp=2, join=True))) == 2

@@ -71,7 +71,11 @@ class EngineOptions:
     'xla' (the model's code) | 'auto' (pallas where it applies and runs; at the tp=4 share
     on an H200 the step took 102.7 against 105.8 ms, BUILD_NOTES "Q, K and V from the qkv
     GEMM in one kernel"). Prefill always takes the model's code (it fixes the cache's
-    scales from the data first)."""
+    scales from the data first);
+    out_down: 'joined' (attention-out and MLP-down as one stream-K GEMM over both K ranges
+    where both run the stacked kernel: 'psum' with stacked weights, i.e. tp = 1 or XLA's
+    all-reduce, and 'pallas-stream-k'; `row_parallel.stacked_partial`) | 'chained' (two
+    GEMMs, attention-out's bf16 product as MLP-down's epilogue addend; the ablation)."""
 
     attention: str = "auto"
     reduce: str = "auto"
@@ -81,6 +85,7 @@ class EngineOptions:
     v_cache: str = "plain"
     input_quant: str = "auto"
     qkv_prep: str = "auto"
+    out_down: str = "joined"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
@@ -91,12 +96,15 @@ class EngineOptions:
             raise ValueError(f"input_quant must be one of {INPUT_QUANT_MODES}, got {self.input_quant!r}")
         if self.qkv_prep not in QKV_PREP_MODES:
             raise ValueError(f"qkv_prep must be one of {QKV_PREP_MODES}, got {self.qkv_prep!r}")
+        if self.out_down not in OUT_DOWN_MODES:
+            raise ValueError(f"out_down must be one of {OUT_DOWN_MODES}, got {self.out_down!r}")
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
 V_CACHE_MODES = ("plain", "transposed")
 INPUT_QUANT_MODES = ("auto", "xla", "pallas", "pallas-norm")
 QKV_PREP_MODES = ("auto", "xla", "pallas")
+OUT_DOWN_MODES = ("joined", "chained")
 # Attention impls that take Q as the fused qkv kernel makes it (fp8_attention.QuantizedQ).
 QKV_PREP_ATTENTION = ("pallas", "pallas-exp2")
 # The modes that run fp8_row_quantize kernels.
@@ -318,7 +326,8 @@ class Engine:
             with jax.named_scope("out_down_reduce"):
                 return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
                                                   out_dtype=jnp.dtype(self.cfg.model.dtype),
-                                                  act_scale=self.cfg.model.activation_scale)
+                                                  act_scale=self.cfg.model.activation_scale,
+                                                  join=opts.out_down == "joined")
 
         activations = block_activations(self.input_quant)
 

@@ -90,7 +90,7 @@ def run_bench(args) -> dict:
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache, input_quant=args.input_quant, qkv_prep=args.qkv_prep))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache, input_quant=args.input_quant, qkv_prep=args.qkv_prep, out_down=args.out_down))
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -167,6 +167,7 @@ def run_bench(args) -> dict:
         "v_cache": args.v_cache,
         "v_transposed": gen.engine.layout.v_transposed,
         "input_quant": gen.engine.input_quant,
+        "out_down": args.out_down,
         "qkv_prep": gen.engine.qkv_prep,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
@@ -257,6 +258,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="FP8 weights with per-row activation scales: each GEMM input's last elementwise step + quantization as one Pallas kernel (pallas), the block input's only (pallas-norm), XLA's fusions (xla), or auto")
     p.add_argument("--qkv-prep", choices=("auto", "xla", "pallas"), default="auto",
                    help="a step's QK-norm, RoPE, Q quantization and K/V cache write as one Pallas kernel (pallas), the model's code (xla), or auto")
+    p.add_argument("--out-down", choices=("joined", "chained"), default="joined",
+                   help="attention-out and MLP-down as one stream-K GEMM (joined, where both run the stacked kernel) or two chained through the epilogue addend")
     p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
                    help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")

@@ -216,37 +216,56 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
     return (y.astype(jnp.float32) * _row_broadcast(xq.row_scales()) * w.scale).astype(out_dtype)
 
 
-def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "tensor") -> jax.Array:
-    """x [..., K] @ (block `w.layer` of the stack).T (+ addend [..., N]), the weight read in place."""
-    from pallas_kernels import fp8_gemm_stacked
-    from pallas_kernels.fp8_gemm_stacked import stacked_fp8_matmul
+def _stacked_operands(x, w: Fp8Weight, act_scale: str):
+    """(x's e4m3 values [M, K], the kernel's scale, its row scales or None) for a stacked
+    weight: per row, the stack's scales whole (the kernel reads the layer's: no slice
+    kernel per call) and x's rows'; per tensor, x's scale times the layer's."""
+    xq = quantize(x, act_scale)
+    values = xq.values.reshape(-1, xq.shape[-1])
+    if xq.per_row:
+        return values, w.scale, xq.scale.reshape(-1)
+    return values, xq.scale * w.layer_scale, None
 
-    if w.per_channel:
+
+def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "tensor",
+                    lead=None) -> jax.Array:
+    """x [..., K] @ (block `w.layer` of the stack).T (+ lead's product) (+ addend [..., N]),
+    the weight read in place."""
+    from pallas_kernels import fp8_gemm_stacked
+    from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
+
+    if w.per_channel or (lead is not None and lead[1].per_channel):
         raise ValueError("the stacked FP8 GEMM takes per-tensor scales")
-    if fp8_gemm_stacked.is_supported() and not stacked_gemm_runs_kernel(w):
+    if fp8_gemm_stacked.is_supported() and not (
+            stacked_gemm_runs_kernel(w) and (lead is None or stacked_gemm_runs_kernel(lead[1]))):
         # A GPU where the kernel runs but this shape does not tile (e.g. N = 8064 at tp=4):
         # XLA's FP8 GEMM on the sliced layer, not the float32 reference.
         y = linear(x, w.at_layer(), jnp.float32, act_scale=act_scale)
+        if lead is not None:
+            y = y + linear(lead[0], lead[1].at_layer(), jnp.float32, act_scale=act_scale)
         if addend is not None:
             y = y + addend.astype(jnp.float32)
         return y.astype(out_dtype)
-    xq = quantize(x, act_scale)
-    k = xq.shape[-1]
+    values, scale, rows = _stacked_operands(x, w, act_scale)
     gemm_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
     if addend is not None:
         addend = addend.reshape(-1, addend.shape[-1])
-    if xq.per_row:
-        # The stack's scales whole: the kernel reads the layer's (no slice kernel per call).
-        scale, rows = w.scale, xq.scale.reshape(-1)
-    else:
-        scale, rows = xq.scale * w.layer_scale, None
-    y = stacked_fp8_matmul(xq.values.reshape(-1, k), w.values, w.layer, scale,
-                           out_dtype=gemm_dtype, addend=addend, row_scale=rows)
-    return y.reshape(*xq.shape[:-1], -1).astype(out_dtype)
+    if lead is not None:
+        lead_values, lead_scale, lead_rows = _stacked_operands(*lead, act_scale)
+        lead = Product(lead_values, lead[1].values, lead_scale, lead_rows)
+    y = stacked_fp8_matmul(values, w.values, w.layer, scale, out_dtype=gemm_dtype,
+                           addend=addend, row_scale=rows, lead=lead)
+    return y.reshape(*x.shape[:-1], -1).astype(out_dtype)
 
 
-def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str = "tensor") -> jax.Array:
-    """x [..., K] @ w.T + addend for a stacked per-tensor ``Fp8Weight`` (``w.layer`` set).
+def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str = "tensor",
+                   lead=None) -> jax.Array:
+    """x [..., K] @ w.T (+ lead_x @ lead_w.T) + addend for a stacked per-tensor ``Fp8Weight``
+    (``w.layer`` set).
+
+    lead: None or a pair (lead_x [..., K1], lead_w: a stacked Fp8Weight [L, N, K1] at the
+    same layer), quantized like x: its product is summed in the same stream-K kernel
+    (``pallas_kernels.fp8_gemm_stacked``'s ``lead``), one kernel for both.
 
     x: float activations (quantized here, per ``act_scale``: 'tensor' | 'row'), or an
     ``Fp8Activation`` (then out_dtype is required). The block's weight is read in place from the stack
@@ -259,7 +278,11 @@ def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str 
         raise ValueError("stacked_linear takes a stacked Fp8Weight (layer set)")
     if isinstance(x, Fp8Activation) and out_dtype is None:
         raise ValueError("stacked_linear of an Fp8Activation needs out_dtype")
-    return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend, act_scale)
+    if lead is not None and not (lead[1].stacked and lead[1].values.shape[:2] == w.values.shape[:2]
+                                 and lead[0].shape[:-1] == x.shape[:-1]):
+        raise ValueError(f"lead must be (x [..., K1], a stacked Fp8Weight [L, N, K1]) with x's "
+                         f"rows and w's [L, N] = {w.values.shape[:2]}")
+    return _stacked_linear(x, w, jnp.dtype(out_dtype or x.dtype), addend, act_scale, lead)
 
 
 def stacked_gemm_runs_kernel(w: Fp8Weight) -> bool:

@@ -25,7 +25,8 @@ Methods (the ``method`` argument):
               Stacked weights (``Fp8Weight.layer``) are read in place by the kernel.
   'pallas-stream-k'  the same exchange on the stream-K schedule of the stacked GEMM
               (``fp8_gemm_allreduce.STREAM_K_CONFIG``: the K steps dealt out evenly
-              over the SMs, cut tiles merged on the own GPU before they travel).
+              over the SMs, cut tiles merged on the own GPU before they travel); with
+              ``join`` a second stacked pair (attention-out) leads in its accumulator.
   'auto'      the best measured method for the backend (see ``resolve_method``).
 
 Activation scales (``act_scale``): 'tensor' quantizes each x with one scale; 'row' with
@@ -39,8 +40,9 @@ At tp = 1 there is nothing to reduce: with stacked weights the fused methods tak
 'psum' path, whose stacked GEMMs use the stream-K schedule (the fused kernel's
 data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
 
-Stacked FP8 weights on the 'psum' path: the products are chained through the stacked
-GEMM's epilogue addend (``stacked_partial``) and, where the Pallas kernel runs, x is
+Stacked FP8 weights on the 'psum' path: the two largest-K products run as one stream-K
+GEMM (the smaller leading in the same accumulator; ``join``), any others are chained
+through the stacked GEMM's epilogue addend (``stacked_partial``), and, where the Pallas kernel runs, x is
 quantized and then padded to a multiple of 8 rows (the kernel's TMA tiling; 757 -> 760),
 not 16, so the pad fuses into the quantization.
 """
@@ -153,18 +155,33 @@ def _all_stacked(pairs) -> bool:
     return all(isinstance(w, Fp8Weight) and w.stacked and not w.per_channel for _, w in pairs)
 
 
+def joinable(lead, main) -> bool:
+    """Whether two stacked (x, w) pairs can run as one stream-K GEMM (``lead``): both on the
+    Pallas kernel here, the same [L, N] stack shape and the same layer (the one traced
+    index: the block's)."""
+    (_, lw), (_, w) = lead, main
+    return (lw.layer is w.layer and lw.values.shape[:2] == w.values.shape[:2]
+            and stacked_gemm_runs_kernel(lw) and stacked_gemm_runs_kernel(w))
+
+
 def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
-                    act_scale: str = "tensor") -> jax.Array:
+                    act_scale: str = "tensor", join: bool = True) -> jax.Array:
     """Sum over pairs of x @ w.T for stacked per-tensor FP8 weights: [M, N] out_dtype.
 
-    The products are chained through the GEMM's epilogue addend, smallest K first: each
-    product is written once, in the dtype the next GEMM reads as its addend, and the last
-    one in out_dtype.  With the stacked Pallas kernel that dtype is out_dtype (bf16 for the
-    model: one bf16 [M, N] write and read instead of two f32 outputs, an XLA add and a
-    convert); on the reference path it is float32, so the sum is rounded once, as in
-    ``local_partial``.
+    join (default): the two largest-K pairs, where ``joinable``, run as one stream-K GEMM
+    over both K ranges (the smaller's product leading in the same accumulator): for the
+    block's attention-out + MLP-down one kernel and no [M, N] partial between two.
+    Otherwise (and for the rest) the products are chained through the GEMM's epilogue
+    addend, smallest K first: each product is written once, in the dtype the next GEMM
+    reads as its addend, and the last one in out_dtype.  With the stacked Pallas kernel
+    that dtype is out_dtype (bf16 for the model: one bf16 [M, N] write and read instead of
+    two f32 outputs, an XLA add and a convert); on the reference path it is float32, so
+    the sum is rounded once, as in ``local_partial``.
     """
     order = sorted(pairs, key=lambda p: p[0].shape[1])
+    lead = None
+    if join and len(order) >= 2 and joinable(order[-2], order[-1]):
+        lead, order = order[-2], order[:-2] + order[-1:]
     acc = None
     for i, (x, w) in enumerate(order):
         last = i == len(order) - 1
@@ -173,7 +190,8 @@ def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
         else:
             _, w_next = order[i + 1]
             dtype = out_dtype if stacked_gemm_runs_kernel(w_next) else jnp.float32
-        acc = stacked_linear(x, w, out_dtype=dtype, addend=acc, act_scale=act_scale)
+        acc = stacked_linear(x, w, out_dtype=dtype, addend=acc, act_scale=act_scale,
+                             lead=lead if last else None)
     return acc
 
 
@@ -184,7 +202,8 @@ def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
     return xq if xq.shape[0] == rows else Fp8Activation(_pad_rows(xq.values, rows), xq.scale)
 
 
-def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
+def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
+                        join: bool = True) -> jax.Array:
     m = pairs[0][0].shape[0]
     stacked = _all_stacked(pairs)
     # 8 rows for the stacked kernel; elsewhere 16 (XLA's FP8 GEMM; the reference path keeps
@@ -200,7 +219,7 @@ def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
     else:
         mp = m
-    partial = (stacked_partial(pairs, out_dtype, act_scale) if stacked
+    partial = (stacked_partial(pairs, out_dtype, act_scale, join) if stacked
                else local_partial(pairs, out_dtype, act_scale))
     out = lax.psum(partial, axis_name)
     return out[:m] if mp != m else out
@@ -272,15 +291,22 @@ def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) ->
 
 
 def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
-                          stream_k: bool = False) -> jax.Array:
+                          stream_k: bool = False, join: bool = True) -> jax.Array:
     from pallas_kernels import fp8_gemm_allreduce
 
     # The fused kernel runs the pair with the largest K; the others are computed first
     # (XLA, or the stacked kernel for stacked weights) and enter the kernel's epilogue as an
     # addend in out_dtype.  Stacked weights are read in place (``layer``), never sliced.
+    # On the stream-K schedule (join) the next largest, where ``joinable``, leads in the
+    # fused kernel's own accumulator instead.
     order = sorted(range(len(pairs)), key=lambda i: pairs[i][0].shape[1])
     x, w = pairs[order[-1]]
     rest = [pairs[i] for i in order[:-1]]
+    lead = None
+    if stream_k and join and rest and joinable(rest[-1], (x, w)):
+        lx, lw = rest.pop()
+        lq = quantize(lx, act_scale)
+        lead = (lq.values, lw.values, lw.scale, lq.scale)
     if not rest:
         addend = None
     elif _all_stacked(rest):
@@ -294,12 +320,13 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
     # A stack's scales whole (the kernels read the layer's); a single weight's as it is.
     return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.scale, layer=w.layer,
                                              addend=addend, axis_name=axis_name,
-                                             out_dtype=out_dtype, x_scale=xq.scale, config=config)
+                                             out_dtype=out_dtype, x_scale=xq.scale, config=config,
+                                             lead=lead)
 
 
 def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
                                method: str = "psum", out_dtype=None,
-                               act_scale: str = "tensor") -> jax.Array:
+                               act_scale: str = "tensor", join: bool = True) -> jax.Array:
     """All-reduced row-parallel product, inside a shard_map body over ``axis_name``.
 
     Args:
@@ -312,6 +339,9 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
         (default: the first activation's dtype).
       act_scale: how activations are quantized for FP8 weights: 'tensor' | 'row'
         (module docstring).
+      join: stacked FP8 pairs on the stream-K kernel ('psum' with stacked weights, and
+        'pallas-stream-k'): the two largest-K pairs in one GEMM (``stacked_partial``);
+        False chains them through the epilogue addend (two GEMMs; the ablation).
     Returns:
       [M, N] = sum over devices (and pairs) of x @ w.T, replicated on every device.
     """
@@ -329,14 +359,14 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     if method in FUSED_METHODS and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
         method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
-        out = _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
+        out = _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale, join)
     elif method == "ppermute":
         # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
         pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
         out = _ppermute_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     else:
         out = _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale,
-                                    stream_k=method == "pallas-stream-k")
+                                    stream_k=method == "pallas-stream-k", join=join)
     return out[:m]
 
 
