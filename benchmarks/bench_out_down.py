@@ -78,9 +78,12 @@ def run(args) -> dict:
         for name, op in forms.items():
             jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
             row[name] = {"rel_err": rel_err(jax.jit(op)(jnp.int32(layers - 1)), ref)}
+            print(f"tp={tp} {name}: rel err {row[name]['rel_err']:.2e}", flush=True)
         fns = {name: scanned(op) for name, op in forms.items()}
-        for f in fns.values():
+        for name, f in fns.items():
+            t1 = time.time()
             jax.block_until_ready(f())
+            print(f"tp={tp} {name}: compiled and ran in {time.time() - t1:.1f} s", flush=True)
         times = {name: [] for name in fns}
         for _ in range(args.repeats):
             for name, f in fns.items():
@@ -92,6 +95,8 @@ def run(args) -> dict:
         row["joined_over_chained"] = row["joined"]["us"] / row["chained"]["us"]
         row["shape"] = {"m": m, "n": n, "k_out": ko, "k_down": kd}
         res[f"tp{tp}"] = row
+        with open(os.path.join(args.out, "out_down.json"), "w") as f:
+            json.dump(res, f, indent=1)
         print(f"tp={tp} N={n} K_o={ko} K_down={kd}: chained {row['chained']['us']:.1f} us "
               f"(err {row['chained']['rel_err']:.2e}), joined {row['joined']['us']:.1f} us "
               f"(err {row['joined']['rel_err']:.2e}), ratio {row['joined_over_chained']:.3f}",
@@ -108,9 +113,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    res = run(args)
-    with open(os.path.join(args.out, "out_down.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    run(args)  # writes out_down.json after each tp
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 #   step   the tp=4 share's step (gpu_tp_share.sh), joined (ring_fused_row, the default)
 #          against chained (ring_fused_chained), chained first (each in its own process)
 # Run from the repository root:   bash benchmarks/gpu_out_down.sh
-# Knobs: PARTS ("tests gemm step"), DEADLINE_S (570). Everything goes to $OUT (summary.txt,
+# Knobs: PARTS ("tests gemm step"), DEADLINE_S (570), GEMM_ARGS (extra bench_out_down.py arguments). Everything goes to $OUT (summary.txt,
 # tests.log, out_down.json, share/step_tp4_tree0.tar.gz).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -23,10 +23,10 @@ for part in $PARTS; do
           -k "lead or stream_k or inside_scan" > "$OUT/tests.log" 2>&1 )
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt" ;;
     gemm)
-      t=$(left); (( t > 150 )) && t=150
-      PYTHONPATH=. timeout "$t" python3 benchmarks/bench_out_down.py --out "$OUT" > "$OUT/gemm.log" 2>&1
+      t=$(left); (( t > 240 )) && t=240
+      PYTHONPATH=. timeout "$t" python3 benchmarks/bench_out_down.py --out "$OUT" ${GEMM_ARGS:-} > "$OUT/gemm.log" 2>&1
       echo "gemm: rc=$?" | tee -a "$OUT/summary.txt"
-      grep "^tp=" "$OUT/gemm.log" | tee -a "$OUT/summary.txt"; rm -f "$OUT/gemm.log" ;;
+      grep "^tp=" "$OUT/gemm.log" | tee -a "$OUT/summary.txt"; grep -v "^tp=" "$OUT/gemm.log" | grep -vi deprecat | tail -5 >> "$OUT/summary.txt"; rm -f "$OUT/gemm.log" ;;
     step)
       OUT="$OUT/share" PARTS=step SHARES=4 TREES=. \
         STEP_VARIANTS="ring_fused_chained ring_fused_row" \
