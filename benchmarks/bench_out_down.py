@@ -54,19 +54,22 @@ def run(args) -> dict:
         rd = ro[::-1] / 3
         kw = dict(impl=impl, num_sms=2 if args.smoke else None)
 
-        def chained(layer):
+        # The operands go in as arguments (closed over, jit would embed the GBs as constants).
+        operands = (xo, wo, xd, wd, so, sd, ro, rd)
+
+        def chained(layer, xo, wo, xd, wd, so, sd, ro, rd):
             o = st.stacked_fp8_matmul(xo, wo, layer, so, row_scale=ro, **kw)
             return st.stacked_fp8_matmul(xd, wd, layer, sd, row_scale=rd, addend=o, **kw)
 
-        def joined(layer):
+        def joined(layer, xo, wo, xd, wd, so, sd, ro, rd):
             return st.stacked_fp8_matmul(xd, wd, layer, sd, row_scale=rd,
                                          lead=st.Product(xo, wo, so, ro), **kw)
 
         def scanned(op):
-            def f():
+            def f(*ops):
                 def body(c, layer):
                     layer, _ = lax.optimization_barrier((layer, c))
-                    y = lax.optimization_barrier(op(layer))
+                    y = lax.optimization_barrier(op(layer, *ops))
                     return c + y[layer % m, 0].astype(jnp.float32), None
                 return lax.scan(body, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
             return jax.jit(f)
@@ -77,18 +80,18 @@ def run(args) -> dict:
         row = {}
         for name, op in forms.items():
             jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
-            row[name] = {"rel_err": rel_err(jax.jit(op)(jnp.int32(layers - 1)), ref)}
+            row[name] = {"rel_err": rel_err(jax.jit(op)(jnp.int32(layers - 1), *operands), ref)}
             print(f"tp={tp} {name}: rel err {row[name]['rel_err']:.2e}", flush=True)
         fns = {name: scanned(op) for name, op in forms.items()}
         for name, f in fns.items():
             t1 = time.time()
-            jax.block_until_ready(f())
+            jax.block_until_ready(f(*operands))
             print(f"tp={tp} {name}: compiled and ran in {time.time() - t1:.1f} s", flush=True)
         times = {name: [] for name in fns}
         for _ in range(args.repeats):
             for name, f in fns.items():
                 t1 = time.perf_counter()
-                jax.block_until_ready(f())
+                jax.block_until_ready(f(*operands))
                 times[name].append((time.perf_counter() - t1) * 1e6 / layers)
         for name in fns:
             row[name].update(us=statistics.median(times[name]), all_us=times[name])
