@@ -14,8 +14,8 @@ median of ``--repeats`` (host clock around ``block_until_ready``, after a warm-u
 two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
-Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
-trailing 'r' for Layout.reload.
+Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), then
+'r' for Layout.reload, 'l' for Layout.row_loop, 's<N>' for Triton's num_stages.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -44,10 +45,14 @@ DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r",
 
 
 def parse_layout(text: str) -> rq.Layout:
-    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
-    reload = text.endswith("r")
-    rows, chunk, warps = text.rstrip("r").split("x")
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), reload)
+    """'ROWSxCHUNKxWARPS' then optional flags: 'r' Layout.reload, 'l' Layout.row_loop,
+    's<N>' Triton's num_stages; CHUNK 'full': one chunk."""
+    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)(r?)(l?)(?:s(\d+))?", text)
+    if not match:
+        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r][l][sN], e.g. 4x2048x8ls2")
+    rows, chunk, warps, reload, loop, stages = match.groups()
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), bool(reload),
+                     row_loop=bool(loop), num_stages=int(stages) if stages else None)
 
 
 def variants(prologue, layouts):
@@ -139,10 +144,9 @@ def main():
                     print(f"{case} {name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
                 res["us"][case].setdefault(name, []).append(us)
         print(f"{case} done", file=sys.stderr, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "row_quantize.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    res["unrolled"] = args.unroll
+        os.makedirs(args.out, exist_ok=True)  # after every case: a timeout keeps the rest
+        with open(os.path.join(args.out, "row_quantize.json"), "w") as f:
+            json.dump(dict(res, unrolled=args.unroll), f, indent=1)
     print(f"us per call, {M} rows -> {ROWS} (two rounds), x = / "
           + ("the first layout" if args.unroll else "xla_row"))
     for case, table in res["us"].items():

@@ -7,7 +7,9 @@
 #      (.ab/best_layout), and the tp=4 share's step runs from this tree and from that copy
 #      (benchmarks/gpu_tp_share.sh, TREES=". .ab/best_layout").
 # Run from the repository root:   bash benchmarks/gpu_row_layout.sh
-# Knobs: DEADLINE_S (560), STEP_VARIANTS (ring_fused_row). Everything goes to $OUT.
+# Knobs: DEADLINE_S (560), STEP_VARIANTS (ring_fused_row), QUANT_ARGS (extra
+# bench_row_quantize.py arguments, e.g. "--unrolled --layouts 1x2048x8 4x2048x8ls2"),
+# QUANT_LIMIT_S (240). Everything goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out/gpu_row_layout}
@@ -16,7 +18,7 @@ mkdir -p "$OUT"
 START=$SECONDS
 ( PYTHONPATH=. timeout 120 python3 -m pytest -q -m gpu tests/test_fp8_row_quantize.py > "$OUT/tests.log" 2>&1 )
 echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee "$OUT/summary.txt"
-PYTHONPATH=. timeout 240 python3 benchmarks/bench_row_quantize.py --out "$OUT" > "$OUT/quant.log" 2>&1
+PYTHONPATH=. timeout "${QUANT_LIMIT_S:-240}" python3 benchmarks/bench_row_quantize.py --out "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1
 echo "quant: rc=$?" | tee -a "$OUT/summary.txt"
 sed -n '/^us per call/,$p' "$OUT/quant.log" | tee -a "$OUT/summary.txt"
 BEST=$(python3 - "$OUT/row_quantize.json" <<'EOF'
@@ -35,7 +37,7 @@ if [ -n "$BEST" ]; then
   cp -r characters_jax pallas_kernels benchmarks configs pyproject.toml .ab/best_layout/
   LAYOUT=$(PYTHONPATH=. python3 -c "import sys; sys.path.insert(0, 'benchmarks')
 import bench_row_quantize as b; l = b.parse_layout('$BEST')
-print(f'Layout({l.rows_per_program}, {l.chunk}, {l.num_warps}, reload={l.reload})')")
+print(repr(l))")
   sed -i "s/^DEFAULT_LAYOUT = Layout()$/DEFAULT_LAYOUT = $LAYOUT/" .ab/best_layout/pallas_kernels/fp8_row_quantize.py
   grep -n "^DEFAULT_LAYOUT" .ab/best_layout/pallas_kernels/fp8_row_quantize.py | tee -a "$OUT/summary.txt"
   OUT="$OUT/share" PARTS=step SHARES=4 TREES=". .ab/best_layout" \

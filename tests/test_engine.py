@@ -68,10 +68,11 @@ def test_a_missing_delta_rotation_is_caught(launch_runs, monkeypatch):
 
 
 def test_tensor_parallel_sizes_agree():
-    outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2, 4)}
+    """tp=2 (psum) and tp=4 (the ppermute ring) give tp=1's frames to float32 rounding.
+    (psum at tp=4: test_row_parallel's psum-4 cases and the numerics tests' base run.)"""
+    outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2)}
     ppermute = run_session(DiTGenerator(CFG, tp=4, cache_dtype="float32", options=EngineOptions(reduce="ppermute")), 12)
     assert rel(outs[2], outs[1]) <= 1e-5
-    assert rel(outs[4], outs[1]) <= 1e-5
     assert rel(ppermute, outs[1]) <= 1e-5
 
 
