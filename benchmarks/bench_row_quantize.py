@@ -14,8 +14,8 @@ median of ``--repeats`` (host clock around ``block_until_ready``, after a warm-u
 two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
-Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), then
-'r' for Layout.reload, 'l' for Layout.row_loop, 's<N>' for Triton's num_stages.
+Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
+trailing 'r' for Layout.reload.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r",
 
 
 def parse_layout(text: str) -> rq.Layout:
-    """'ROWSxCHUNKxWARPS' then optional flags: 'r' Layout.reload, 'l' Layout.row_loop,
-    's<N>' Triton's num_stages; CHUNK 'full': one chunk."""
-    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)(r?)(l?)(?:s(\d+))?", text)
+    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
+    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)(r?)", text)
     if not match:
-        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r][l][sN], e.g. 4x2048x8ls2")
-    rows, chunk, warps, reload, loop, stages = match.groups()
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), bool(reload),
-                     row_loop=bool(loop), num_stages=int(stages) if stages else None)
+        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r], e.g. 1x2048x8")
+    rows, chunk, warps, reload = match.groups()
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), bool(reload))
 
 
 def variants(prologue, layouts):

@@ -8,7 +8,7 @@
 #      (benchmarks/gpu_tp_share.sh, TREES=". .ab/best_layout").
 # Run from the repository root:   bash benchmarks/gpu_row_layout.sh
 # Knobs: DEADLINE_S (560), STEP_VARIANTS (ring_fused_row), QUANT_ARGS (extra
-# bench_row_quantize.py arguments, e.g. "--unrolled --layouts 1x2048x8 4x2048x8ls2"),
+# bench_row_quantize.py arguments, e.g. "--unrolled --layouts 1x2048x8 1x2048x16"),
 # QUANT_LIMIT_S (240). Everything goes to $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1

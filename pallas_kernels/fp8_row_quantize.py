@@ -52,24 +52,16 @@ class Layout:
     of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
     (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
     that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
-    time, not the row; False keeps the row in registers, read once. ``row_loop``: the
-    program's rows are taken one at a time in a loop (a row's registers, not
-    ``rows_per_program`` rows'), which Triton may software-pipeline (``num_stages``: its
-    compiler's stages, None its default) so that the next row's loads overlap this row's
-    reductions and stores."""
+    time, not the row; False keeps the row in registers, read once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
     reload: bool = False
-    row_loop: bool = False
-    num_stages: int | None = None
 
     def __post_init__(self):
         if self.reload and self.chunk is None:
             raise ValueError("Layout.reload loops over chunks: give a chunk size")
-        if self.num_stages is not None and self.num_stages < 1:
-            raise ValueError(f"Layout.num_stages must be >= 1, got {self.num_stages}")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -125,35 +117,16 @@ def reference(x, shift=None, scale=None, *, eps: float = 0.0, rows: int | None =
 def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: int,
             prologue: str, eps: float):
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    from characters_jax.model.dit import gelu_tanh
 
     if prologue == "norm":
         shift_ref, scale_ref, q_ref, s_ref = refs
     else:
         q_ref, s_ref = refs
-        shift_ref = scale_ref = None
-    rows = functools.partial(_rows, x_ref, shift_ref, scale_ref, q_ref, s_ref, m=m, d=d,
-                             rows_out=rows_out, layout=layout, chunk=chunk,
-                             prologue=prologue, eps=eps)
     r = layout.rows_per_program
-    first = pl.program_id(0) * r
-    if layout.row_loop:
-        def one_row(i, carry):
-            rows(first + i + jnp.arange(1))
-            return carry
-
-        jax.lax.fori_loop(0, r, one_row, 0)
-    else:
-        rows(first + jnp.arange(r))
-
-
-def _rows(x_ref, shift_ref, scale_ref, q_ref, s_ref, row_ids, *, m: int, d: int,
-          rows_out: int, layout: Layout, chunk: int, prologue: str, eps: float):
-    """The kernel's work on the rows ``row_ids`` [r] int32, held together in registers."""
-    from jax.experimental.pallas import triton as plt
-
-    from characters_jax.model.dit import gelu_tanh
-
-    r = row_ids.shape[0]
+    row_ids = pl.program_id(0) * r + jnp.arange(r)
     valid = row_ids < m  # [r]
     dtype = x_ref.dtype
     n_chunks = -(-d // chunk)
@@ -246,7 +219,7 @@ def _pallas(x, shift, scale, *, m: int, rows_out: int, prologue: str, eps: float
         grid=(pl.cdiv(rows_out, r),),
         out_shape=(jax.ShapeDtypeStruct((rows_out, d), FP8),
                    jax.ShapeDtypeStruct((rows_out,), jnp.float32)),
-        compiler_params=plt.CompilerParams(num_warps=layout.num_warps, num_stages=layout.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=layout.num_warps),
         interpret=interpret,
         name=KERNEL_NAME,
     )(*operands)
