@@ -11,23 +11,17 @@
 # Run (repository root):  bash benchmarks/gpu_check_prepared.sh
 # Knobs: DEADLINE_S (570), PARTS ("tests numerics step"). Everything goes to $OUT (7 files:
 # tests.log, summary.txt, num/numerics57b.{json,log}, share/step_tp4_tree{0,1,2}.tar.gz).
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-out/gpu_check_prepared}
-DEADLINE_S=${DEADLINE_S:-570}
+source "$(dirname "$0")/_gpu_prologue.sh" out/gpu_check_prepared 570
 PARTS=${PARTS:-"tests numerics step"}
-mkdir -p "$OUT"
-START=$SECONDS
-left() { echo $(( DEADLINE_S - (SECONDS - START) - 15 )); }
 for part in $PARTS; do
   case $part in
     tests)
-      t=$(left); (( t > 150 )) && t=150
+      t=$(left_max 150)
       ( PYTHONPATH=. timeout "$t" python3 -m pytest -q -m gpu tests/test_fp8_gemm_stacked.py \
           tests/test_fp8_qkv_prepare.py tests/test_fp8_row_quantize.py > "$OUT/tests.log" 2>&1 )
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt" ;;
     numerics)
-      t=$(left); (( t > 240 )) && t=240
+      t=$(left_max 240)
       OUT="$OUT/num" TP=1 RUNS=3 VARIANTS=stacked-gemm-row BUDGET_S=$(( t - 60 )) LIMIT_S="$t" \
         bash benchmarks/gpu_numerics.sh > "$OUT/numerics.log" 2>&1
       echo "numerics: rc=$?" | tee -a "$OUT/summary.txt"

@@ -7,23 +7,17 @@
 # Run from the repository root:   bash benchmarks/gpu_out_down.sh
 # Knobs: PARTS ("tests gemm step"), DEADLINE_S (570), GEMM_ARGS (extra bench_out_down.py arguments). Everything goes to $OUT (summary.txt,
 # tests.log, out_down.json, share/step_tp4_tree0.tar.gz).
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-out/gpu_out_down}
-DEADLINE_S=${DEADLINE_S:-570}
+source "$(dirname "$0")/_gpu_prologue.sh" out/gpu_out_down 570
 PARTS=${PARTS:-"tests gemm step"}
-mkdir -p "$OUT"
-START=$SECONDS
-left() { echo $(( DEADLINE_S - (SECONDS - START) - 15 )); }
 for part in $PARTS; do
   case $part in
     tests)
-      t=$(left); (( t > 120 )) && t=120
+      t=$(left_max 120)
       ( PYTHONPATH=. timeout "$t" python3 -m pytest -q -m gpu tests/test_fp8_gemm_stacked.py \
           -k "lead or stream_k or inside_scan" > "$OUT/tests.log" 2>&1 )
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt" ;;
     gemm)
-      t=$(left); (( t > 240 )) && t=240
+      t=$(left_max 240)
       PYTHONPATH=. timeout "$t" python3 benchmarks/bench_out_down.py --out "$OUT" ${GEMM_ARGS:-} > "$OUT/gemm.log" 2>&1
       echo "gemm: rc=$?" | tee -a "$OUT/summary.txt"
       grep "^tp=" "$OUT/gemm.log" | tee -a "$OUT/summary.txt"; grep -v "^tp=" "$OUT/gemm.log" | grep -vi deprecat | tail -5 >> "$OUT/summary.txt"; rm -f "$OUT/gemm.log" ;;

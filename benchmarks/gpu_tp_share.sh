@@ -19,9 +19,7 @@
 # (step_tp<N>_tree<i>.tar.gz: step JSON, breakdown, logs), tests.log, summary.txt.
 # CPU smoke test: PARTS=step SHARES=2 BASE_CONFIG=configs/tiny.toml STEPS=2 WARMUP=1 \
 #   ATTN_FP8=reference REDUCE_FUSED=psum bash benchmarks/gpu_tp_share.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-OUT=${OUT:-out/gpu_tp_share}
+source "$(dirname "$0")/_gpu_prologue.sh" out/gpu_tp_share 560
 PARTS=${PARTS:-"tests gemm step"}
 SHARES=${SHARES:-"4 3"}
 TREES=${TREES:-.}
@@ -30,13 +28,9 @@ WARMUP=${WARMUP:-2}
 V_LIMIT_S=${V_LIMIT_S:-150}
 GEMM_BUDGET_S=${GEMM_BUDGET_S:-100}
 BASE_CONFIG=${BASE_CONFIG:-configs/characters-57b.toml}
-DEADLINE_S=${DEADLINE_S:-560}
 ROOT=$(pwd)
-mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
-START=$SECONDS
 SUMMARY="$OUT/summary.txt"
-left() { echo $(( DEADLINE_S - (SECONDS - START) - 15 )); }
 
 # share_config N: writes one GPU's share of BASE_CONFIG at tp = N and prints its path.
 share_config() {
@@ -58,12 +52,12 @@ EOF
 for part in $PARTS; do
   case $part in
     tests)
-      t=$(left); (( t > 120 )) && t=120
+      t=$(left_max 120)
       ( PYTHONPATH=. timeout "$t" python3 -m pytest -q -m gpu tests/test_fp8_gemm_stacked.py \
           tests/test_fp8_row_quantize.py ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1 )
       echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee -a "$SUMMARY" ;;
     quant)
-      t=$(left); (( t > ${QUANT_LIMIT_S:-240} )) && t=${QUANT_LIMIT_S:-240}
+      t=$(left_max "${QUANT_LIMIT_S:-240}")
       PYTHONPATH=. timeout "$t" python3 benchmarks/bench_row_quantize.py --out "$OUT" \
         > "$OUT/quant.log" 2>&1
       echo "quant: rc=$?" | tee -a "$SUMMARY"
