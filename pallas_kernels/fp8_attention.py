@@ -572,10 +572,14 @@ class QuantizedQ:
     """Q already in the kernel's form: ``parts`` a tuple of one or two e4m3 [Tq, H, D]
     arrays (hi, and lo = e4m3(q / s - hi) with Q's split), ``row_scale`` [Tq, H] float32
     (s = a (row, head)'s absolute maximum / 448): q ~ (hi + lo) * s. Made by
-    :func:`quantize_q`, or by a kernel that produces Q (``pallas_kernels.fp8_qkv_prepare``)."""
+    :func:`quantize_q`, or by a kernel that produces Q (``pallas_kernels.fp8_qkv_prepare``).
+    ``scales``: None, or the kernel's scales operand [H, 2, Tq'] f32 already made by that
+    producer (:func:`attention_scales` of ``row_scale`` and the K/V scales and mask the call
+    is given); the call then uses it as it is, with no XLA pass of its own."""
 
     parts: tuple
     row_scale: jax.Array
+    scales: jax.Array | None = None
 
     @property
     def shape(self):
@@ -612,24 +616,47 @@ def _prepare_q_scales_bias(q, k_scale, v_scale, valid, block_kv, q_split, pad_q)
     The parts are separate kernel operands, not one stacked array: a stack costs XLA a
     concatenate pass over both parts per call (9 us at 18 heads, 17 us at 36 in GPU run 2)."""
     tq, h, d = q.shape
-    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    tq_pad = padded_queries(tq)
     if not isinstance(q, QuantizedQ):
         q = quantize_q(q, q_split)
-    q8, q_rs = q.parts, q.row_scale
+    q8 = q.parts
     if pad_q:
         q8 = tuple(jnp.pad(p, ((0, tq_pad - tq), (0, 0), (0, 0))) for p in q8)
-    head_sc = _head_scales(k_scale, v_scale, valid, d)  # [H, 2]
-    logit = q_rs * head_sc[None, :, 0]
-    out_sc = jnp.broadcast_to(head_sc[None, :, 1], (tq, h))
-    scales = jnp.pad(jnp.stack([logit.T, out_sc.T], axis=1), ((0, 0), (0, 0), (0, tq_pad - tq)))
+    if q.scales is not None:
+        if q.scales.shape != (h, 2, tq_pad):
+            raise ValueError(f"QuantizedQ.scales must be [{h}, 2, {tq_pad}], got {q.scales.shape}")
+        scales = q.scales
+    else:
+        scales = attention_scales(q.row_scale, k_scale, v_scale, _any_valid(valid), d)
     return q8, scales, _slot_bias(valid, block_kv)
 
 
-def _head_scales(k_scale, v_scale, valid, d):
+def padded_queries(tq: int) -> int:
+    """Tq' of the kernel's scales operand: Tq rounded up to its compute warpgroups' rows."""
+    return -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+
+
+def attention_scales(q_rs, k_scale, v_scale, any_valid, d: int):
+    """The kernel's scales operand [H, 2, Tq'] f32 (Tq' = :func:`padded_queries`), columns
+    past Tq zero: row 0 Q's row scale times the head's logit factor (K scale x log2(e) /
+    sqrt(D)), row 1 the head's output factor (V scale, times any_valid: 0 when no slot is
+    valid). q_rs [Tq, H] f32; k_scale, v_scale [H]; any_valid [] f32."""
+    tq, h = q_rs.shape
+    head_sc = _head_scales(k_scale, v_scale, any_valid, d)  # [H, 2]
+    logit = q_rs * head_sc[None, :, 0]
+    out_sc = jnp.broadcast_to(head_sc[None, :, 1], (tq, h))
+    return jnp.pad(jnp.stack([logit.T, out_sc.T], axis=1),
+                   ((0, 0), (0, 0), (0, padded_queries(tq) - tq)))
+
+
+def _any_valid(valid):
+    """[] f32: 1 when any slot is valid, else 0 (valid [S] bool or a SlotMask)."""
+    return valid.any_valid if isinstance(valid, SlotMask) else jnp.any(valid).astype(jnp.float32)
+
+
+def _head_scales(k_scale, v_scale, any_valid, d):
     """[H, 2] f32: the logit factor of a head without Q's row scale (K scale x log2(e) /
-    sqrt(D)) and its output factor (V scale, 0 when no slot is valid)."""
-    any_valid = (valid.any_valid if isinstance(valid, SlotMask)
-                 else jnp.any(valid).astype(jnp.float32))
+    sqrt(D)) and its output factor (V scale, 0 when no slot is valid: any_valid [] f32)."""
     return jnp.stack([k_scale.astype(jnp.float32) * (LOG2E / math.sqrt(d)),
                       v_scale.astype(jnp.float32) * any_valid], axis=1)
 
@@ -653,7 +680,7 @@ def _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid, block_kv):
     tq, _, d = q.shape
     tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, tq_pad - tq), (0, 0), (0, 0)))
-    return (qb,), _head_scales(k_scale, v_scale, valid, d), _slot_bias(valid, block_kv)
+    return (qb,), _head_scales(k_scale, v_scale, _any_valid(valid), d), _slot_bias(valid, block_kv)
 
 
 def _prepare_inputs(q, v, k_scale, v_scale, valid, block_kv, q_split=True):

@@ -24,7 +24,12 @@ Shapes and dtypes (per tensor-parallel shard):
   k_scale, v_scale [H] float32 (this layer's), or the cache's [L, H] stacks (the kernel reads
                  the layer's); cache_k, cache_v [L, S, H, D] float8_e4m3fn
   layer, offset  [] int32: the block, and the first of the T slots written
-  out       (QuantizedQ (parts [T, H, D] e4m3 x 1 or 2, row_scale [T, H] f32), cache_k, cache_v)
+  any_valid [] f32 or None: given, the kernel also writes the attention kernel's scales
+                 operand (``QuantizedQ.scales`` [H, 2, Tq'], ``fp8_attention.attention_scales``
+                 of Q's row scales, this layer's K/V scales and any_valid), so the attention
+                 call makes none (an XLA kernel per block pass fewer)
+  out       (QuantizedQ (parts [T, H, D] e4m3 x 1 or 2, row_scale [T, H] f32, scales), cache_k,
+             cache_v)
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import F8, F8_MAX, QuantizedQ, quantize_q
+import dataclasses
+import math
+
+from pallas_kernels.fp8_attention import (F8, F8_MAX, LOG2E, QuantizedQ, attention_scales,
+                                          padded_queries, quantize_q)
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 KERNEL_NAME = "fp8_qkv_prepare"
@@ -57,10 +66,11 @@ def _split(qkv, t, heads, head_dim):
 
 
 def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
-              offset, *, t: int, heads: int, eps: float, q_split: bool = True):
+              offset, *, t: int, heads: int, eps: float, q_split: bool = True, any_valid=None):
     """The model's code: QK-norm (``dit.rms_norm`` times the gain in qkv's dtype), RoPE
     (``rope.rotate``), ``fp8_attention.quantize_q``, ``kv_cache.quantize`` and the
-    in-place update of the cache rows [layer, offset : offset + t]."""
+    in-place update of the cache rows [layer, offset : offset + t]; with any_valid, the
+    attention's scales (``fp8_attention.attention_scales``)."""
     from characters_jax.cache.kv_cache import quantize
     from characters_jax.model.dit import rms_norm
     from characters_jax.model.rope import rotate
@@ -74,15 +84,25 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
     start = (layer, offset, jnp.int32(0), jnp.int32(0))
     cache_k = jax.lax.dynamic_update_slice(cache_k, quantize(k, k_scale)[None], start)
     cache_v = jax.lax.dynamic_update_slice(cache_v, quantize(v, v_scale)[None], start)
-    return quantize_q(q, q_split), cache_k, cache_v
+    q8 = quantize_q(q, q_split)
+    if any_valid is not None:
+        q8 = dataclasses.replace(q8, scales=attention_scales(q8.row_scale, k_scale, v_scale,
+                                                             any_valid, d))
+    return q8, cache_k, cache_v
 
 
 def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref, offset_ref,
-            _ck, _cv, *out_refs, heads: int, hp: int, d: int, eps: float, q_split: bool):
+            *refs, heads: int, hp: int, d: int, eps: float, q_split: bool, t_len: int,
+            with_scales: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    *q_refs, qrs_ref, ck_ref, cv_ref = out_refs
+    if with_scales:
+        av_ref, _ck, _cv, *out_refs = refs
+        *q_refs, qrs_ref, sc_ref, ck_ref, cv_ref = out_refs
+    else:
+        _ck, _cv, *out_refs = refs
+        *q_refs, qrs_ref, ck_ref, cv_ref = out_refs
     t = pl.program_id(0)
     half = d // 2
     dtype = qkv_ref.dtype
@@ -134,6 +154,21 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref
     hs = jnp.minimum(head_ids, heads - 1)
     k_s = plt.load(ks_ref.at[layer, hs])[:, None]
     v_s = plt.load(vs_ref.at[layer, hs])[:, None]
+    if with_scales:
+        # The attention's scales operand [H, 2, Tq'] (fp8_attention.attention_scales, in its
+        # order): column t, and the zero padding columns T + t, 2T + t, ... below Tq'.
+        hm1 = head_ids < heads
+        logit = q_rs * (k_s[:, 0] * (LOG2E / math.sqrt(d)))
+        out_sc = v_s[:, 0] * av_ref[0]
+        plt.store(sc_ref.at[head_ids, 0, t], logit, mask=hm1)
+        plt.store(sc_ref.at[head_ids, 1, t], out_sc, mask=hm1)
+        tq_pad = sc_ref.shape[2]
+        zero = jnp.zeros_like(logit)
+        for j in range(1, -(-tq_pad // t_len)):
+            col = j * t_len + t
+            for row in (0, 1):
+                plt.store(sc_ref.at[head_ids, row, jnp.minimum(col, tq_pad - 1)], zero,
+                          mask=hm1 & (col < tq_pad))
     ka, kb = norm_rope(1, kg_ref)
     for side, (kx, vx) in enumerate(((ka, load(2, 0)), (kb, load(2, 1)))):
         idx = (lyr, slot, h, side * half + lane)
@@ -143,9 +178,11 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref
 
 def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
                 offset, *, t: int, heads: int, eps: float, q_split: bool = True,
-                impl: str = "auto", num_warps: int = 4):
+                any_valid=None, impl: str = "auto", num_warps: int = 4):
     """(QuantizedQ, cache_k, cache_v) of the module docstring; the caches are updated in
-    place by the kernel (aliased), by ``dynamic_update_slice`` in the reference.
+    place by the kernel (aliased), by ``dynamic_update_slice`` in the reference. any_valid
+    ([] f32, e.g. ``fp8_attention.SlotMask.any_valid``): the QuantizedQ carries the
+    attention's scales operand too.
 
     impl: 'auto' (the Triton kernel on a GPU that has it, else the reference) | 'pallas' |
     'reference' | 'interpret' (the kernel under the Pallas interpreter, CPU)."""
@@ -171,7 +208,7 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
         impl = "pallas" if is_supported() else "reference"
     args = (qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer, offset)
     if impl == "reference":
-        return reference(*args, t=t, heads=heads, eps=eps, q_split=q_split)
+        return reference(*args, t=t, heads=heads, eps=eps, q_split=q_split, any_valid=any_valid)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     # Per-head scales as [L, H] stacks, read at the layer (one layer's [H] is broadcast).
     if k_scale.ndim == 1:
@@ -180,18 +217,26 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
     one = lambda a: jnp.reshape(jnp.asarray(a, jnp.int32), (1,))  # noqa: E731 (a bitcast)
     parts = 2 if q_split else 1
     hp = min(pl.next_power_of_2(heads), HEADS_PER_PROGRAM)
-    kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, q_split=q_split)
+    with_scales = any_valid is not None
+    kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, q_split=q_split,
+                               t_len=t, with_scales=with_scales)
+    scales_out = [jax.ShapeDtypeStruct((heads, 2, padded_queries(t)), jnp.float32)] * with_scales
+    extra_in = [jnp.reshape(f32(any_valid), (1,))] if with_scales else []
+    n_in = 9 + with_scales  # the caches' operand indices: n_in, n_in + 1
     outs = pl.pallas_call(
         kernel,
         grid=(t, pl.cdiv(heads, hp)),
         out_shape=(*[jax.ShapeDtypeStruct((t, heads, d), F8)] * parts,
                    jax.ShapeDtypeStruct((t, heads), jnp.float32),
+                   *scales_out,
                    jax.ShapeDtypeStruct(cache_k.shape, F8),
                    jax.ShapeDtypeStruct(cache_v.shape, F8)),
-        input_output_aliases={9: parts + 1, 10: parts + 2},
+        input_output_aliases={n_in: parts + 1 + with_scales, n_in + 1: parts + 2 + with_scales},
         compiler_params=plt.CompilerParams(num_warps=num_warps),
         interpret=impl == "interpret",
         name=KERNEL_NAME,
     )(qkv, f32(q_gain), f32(k_gain), f32(cos), f32(sin), f32(k_scale), f32(v_scale),
-      one(layer), one(offset), cache_k, cache_v)
-    return QuantizedQ(tuple(outs[:parts]), outs[parts]), outs[parts + 1], outs[parts + 2]
+      one(layer), one(offset), *extra_in, cache_k, cache_v)
+    *q_parts, q_rs = outs[:parts + 1]
+    scales = outs[parts + 1] if with_scales else None
+    return (QuantizedQ(tuple(q_parts), q_rs, scales), outs[-2], outs[-1])

@@ -2,6 +2,7 @@
 interpreter against a float64 emulation of the program's roundings and against the model's
 code, the CUDA lowering (one Triton call, the caches aliased), the GPU, and the engine."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -113,6 +114,57 @@ def test_kernel_in_interpreter_matches_the_programs_roundings(monkeypatch, heads
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_attention_scales_written_with_q(impl):
+    """With any_valid, Q comes with the attention kernel's scales operand [H, 2, Tq']:
+    ``fp8_attention.attention_scales`` of its own row scales and the layer's K/V scales
+    (read from the [L, H] stacks), the kernel's bit for bit, its padding columns (107 of 128 here: more
+    than one per token) zero; Q's parts and the caches as without it."""
+    from pallas_kernels.fp8_attention import attention_scales
+
+    seed = _seed()
+    args, kw = _problem(seed)
+    layer = int(args[9])
+    stacks = [jnp.full((2, 3), 9.0).at[layer].set(a) for a in args[5:7]]
+    args = (*args[:5], *stacks, *args[7:])
+    plain = jax.jit(lambda *a: qp.prepare_qkv(*a, impl=impl, **kw))(*args)
+    for any_valid in (1.0, 0.0):
+        out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl=impl, any_valid=jnp.float32(any_valid),
+                                                **kw))(*args)
+        want = attention_scales(out[0].row_scale, args[5][layer], args[6][layer],
+                                jnp.float32(any_valid), 128)
+        got = np.asarray(out[0].scales)
+        assert got.shape == (3, 2, 128) and np.isfinite(got).all()
+        # The kernel bit for bit; XLA may reassociate the reference's products (one ulp).
+        np.testing.assert_allclose(got, np.asarray(want), rtol=0 if impl == "interpret" else 2.4e-7,
+                                   atol=0, err_msg=str(seed))
+        assert not got[:, :, 21:].any() and (got[:, 1, :21] != 0).all() == bool(any_valid)
+        for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(dataclasses.replace(out[0], scales=None))
+                        + list(out[1:])):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_attention_takes_the_scales_q_carries():
+    """The attention's operand preparation uses a QuantizedQ's scales as they are (no XLA
+    op of its own), equal to what it makes without them; a wrong shape is refused."""
+    from pallas_kernels import fp8_attention as fa
+
+    q = jax.random.normal(jax.random.key(_seed()), (37, 2, 128))
+    ks, vs = jnp.array([0.03, 0.02]), jnp.array([0.01, 0.02])
+    valid = jnp.arange(256) < 200
+    q8 = fa.quantize_q(q)
+    made = fa._prepare_q_scales_bias(q8, ks, vs, valid, 128, True, pad_q=False)[1]
+    carried = dataclasses.replace(q8, scales=fa.attention_scales(q8.row_scale, ks, vs, 1.0, 128))
+    np.testing.assert_array_equal(np.asarray(made), np.asarray(carried.scales))
+    jaxpr = jax.make_jaxpr(lambda s: fa._prepare_q_scales_bias(
+        dataclasses.replace(q8, scales=s), ks, vs, fa.slot_mask(valid), 128, True, pad_q=False)[1])(
+            carried.scales)
+    assert jaxpr.jaxpr.outvars[0] is jaxpr.jaxpr.invars[0]  # passed through untouched
+    with pytest.raises(ValueError, match="scales"):
+        fa._prepare_q_scales_bias(dataclasses.replace(q8, scales=carried.scales[:, :, :64]),
+                                  ks, vs, valid, 128, True, pad_q=False)
+
+
 def test_reference_is_the_models_code_close_to_the_kernel():
     """The reference (the model's and cache's own functions) agrees with the kernel but for
     the bf16 roundings XLA's CPU code may skip (excess precision)."""
@@ -164,6 +216,14 @@ def test_lowers_for_cuda_as_one_triton_kernel_updating_the_caches_in_place(monke
                         lowering_platforms=("cuda",)).as_text()
     assert "dynamic_slice" not in text2 and "concatenate" not in text2
     assert f"tensor<60x{h}xf32>" in [ln for ln in text2.splitlines() if "custom_call" in ln][0]
+    # With any_valid (the engine's steps): the attention's scales come out of the same call.
+    text3 = jax.jit(lambda *a: qp.prepare_qkv(*a[:11], t=t, heads=h, eps=EPS, any_valid=a[11],
+                                              impl="pallas"),
+                    donate_argnums=(7, 8)).trace(*args[:5], *stacks, *args[7:], s((), jnp.float32)).lower(
+                        lowering_platforms=("cuda",)).as_text()
+    calls3 = [ln for ln in text3.splitlines() if "stablehlo.custom_call" in ln]
+    assert len(calls3) == 1 and f"tensor<{h}x2x768xf32>" in calls3[0]
+    assert "stablehlo.pad" not in text3 and calls3[0].count("operand_index") == 2
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln]
     assert len(calls) == 1 and "triton" in calls[0] and "grid_x = 757" in calls[0]
     assert f"grid_y = {groups}" in calls[0]
@@ -181,8 +241,11 @@ def test_kernel_on_gpu_matches_the_programs_roundings(heads):
     args, kw = _problem(seed, t=757, ty=760, heads=heads, layers=3, slots=1600, offset=700,
                         layer=2)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
-    out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="pallas", **kw))(*args)
+    out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="pallas", any_valid=jnp.float32(1), **kw))(*args)
     _check(out, args, kw, seed)
+    from pallas_kernels.fp8_attention import attention_scales
+    want = attention_scales(out[0].row_scale, args[5], args[6], jnp.float32(1), 128)
+    np.testing.assert_allclose(np.asarray(out[0].scales), np.asarray(want), rtol=1e-7, atol=0)
 
 
 def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch, engine_latents):

@@ -362,7 +362,8 @@ class Engine:
                     q8, ck, cv = fp8_qkv_prepare.prepare_qkv(
                         qkv, q_gain, k_gain, *rope, c.k_scale, c.v_scale,
                         layout.from_storage(c.k), layout.from_storage(c.v), layer, offset,
-                        t=t, heads=c.k.shape[2], eps=eps, impl="pallas")
+                        t=t, heads=c.k.shape[2], eps=eps, any_valid=mask.any_valid,
+                        impl="pallas")
                     c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
                 return attend_cached(q8, c)
 
