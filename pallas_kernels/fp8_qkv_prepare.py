@@ -34,13 +34,12 @@ Shapes and dtypes (per tensor-parallel shard):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
-
-import dataclasses
-import math
 
 from pallas_kernels.fp8_attention import (F8, F8_MAX, LOG2E, QuantizedQ, attention_scales,
                                           padded_queries, quantize_q)
