@@ -14,8 +14,8 @@ median of ``--repeats`` (host clock around ``block_until_ready``, after a warm-u
 two interleaved rounds.
 
 Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
-Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), then
-'r' for Layout.reload or 'p' for Layout.prefetch.
+Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
+trailing 'r' for Layout.reload.
 """
 
 from __future__ import annotations
@@ -45,14 +45,12 @@ DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r",
 
 
 def parse_layout(text: str) -> rq.Layout:
-    """'ROWSxCHUNKxWARPS', then 'r' for Layout.reload or 'p' for Layout.prefetch; CHUNK
-    'full': one chunk."""
-    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)([rp]?)", text)
+    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
+    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)(r?)", text)
     if not match:
-        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r|p], e.g. 1x2048x8, 4x2048x8p")
-    rows, chunk, warps, flag = match.groups()
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps),
-                     reload=flag == "r", prefetch=flag == "p")
+        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r], e.g. 1x2048x8")
+    rows, chunk, warps, reload = match.groups()
+    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), bool(reload))
 
 
 def variants(prologue, layouts):

@@ -52,24 +52,16 @@ class Layout:
     of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
     (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
     that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
-    time, not the row; False keeps the row in registers, read once. ``prefetch``: the
-    program's rows are taken one at a time in a loop whose every pass first issues the
-    loads of the next row (carried to the next pass in registers), then reduces, quantizes
-    and stores this one, so that a row's memory latency hides behind the previous row's
-    arithmetic (Triton does not pipeline such a loop by itself: BUILD_NOTES, "The
-    row-quantize kernel with a row loop")."""
+    time, not the row; False keeps the row in registers, read once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
     reload: bool = False
-    prefetch: bool = False
 
     def __post_init__(self):
         if self.reload and self.chunk is None:
             raise ValueError("Layout.reload loops over chunks: give a chunk size")
-        if self.prefetch and self.reload:
-            raise ValueError("Layout.prefetch holds rows in registers: not with reload")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -125,52 +117,16 @@ def reference(x, shift=None, scale=None, *, eps: float = 0.0, rows: int | None =
 def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: int,
             prologue: str, eps: float):
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    from characters_jax.model.dit import gelu_tanh
 
     if prologue == "norm":
         shift_ref, scale_ref, q_ref, s_ref = refs
     else:
         q_ref, s_ref = refs
-        shift_ref = scale_ref = None
-    rows = functools.partial(_rows, x_ref, shift_ref, scale_ref, q_ref, s_ref, m=m, d=d,
-                             rows_out=rows_out, layout=layout, chunk=chunk,
-                             prologue=prologue, eps=eps)
     r = layout.rows_per_program
-    first = pl.program_id(0) * r
-    if layout.prefetch:
-        def load_row(row):
-            return tuple(_load_chunk(x_ref, row + jnp.arange(1), i, chunk=chunk, d=d, m=m)
-                         for i in range(-(-d // chunk)))
-
-        def one_row(i, x_now):
-            x_next = load_row(first + i + 1)  # issued before this row's reductions
-            rows(first + i + jnp.arange(1), x_chunks=x_now)
-            return x_next
-
-        jax.lax.fori_loop(0, r, one_row, load_row(first))
-    else:
-        rows(first + jnp.arange(r))
-
-
-def _load_chunk(x_ref, row_ids, i, *, chunk: int, d: int, m: int):
-    """Chunk i of the rows ``row_ids`` [r] as stored ([r, chunk] of x's dtype): lanes past D
-    and rows past M read as 0."""
-    from jax.experimental.pallas import triton as plt
-
-    cols = i * chunk + jnp.arange(chunk)
-    return plt.load(x_ref.at[row_ids[:, None], cols[None, :]],
-                    mask=(row_ids < m)[:, None] & (cols < d)[None, :], other=0.0)
-
-
-def _rows(x_ref, shift_ref, scale_ref, q_ref, s_ref, row_ids, *, m: int, d: int,
-          rows_out: int, layout: Layout, chunk: int, prologue: str, eps: float,
-          x_chunks: tuple | None = None):
-    """The kernel's work on the rows ``row_ids`` [r] int32, held together in registers;
-    x_chunks: their chunks already loaded (``_load_chunk``), else loaded here."""
-    from jax.experimental.pallas import triton as plt
-
-    from characters_jax.model.dit import gelu_tanh
-
-    r = row_ids.shape[0]
+    row_ids = pl.program_id(0) * r + jnp.arange(r)
     valid = row_ids < m  # [r]
     dtype = x_ref.dtype
     n_chunks = -(-d // chunk)
@@ -204,8 +160,9 @@ def _rows(x_ref, shift_ref, scale_ref, q_ref, s_ref, row_ids, *, m: int, d: int,
 
     @functools.partial(remembered, "x")
     def x_of(i):
-        x = x_chunks[i] if x_chunks is not None else _load_chunk(x_ref, row_ids, i, chunk=chunk,
-                                                                  d=d, m=m)
+        cols, inside = lanes(i)
+        x = plt.load(x_ref.at[row_ids[:, None], cols[None, :]],
+                     mask=valid[:, None] & inside[None, :], other=0.0)
         return x.astype(jnp.float32)
 
     rstd = None

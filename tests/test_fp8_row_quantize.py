@@ -43,11 +43,10 @@ def _assert_close_to_reference(q, s, rq_, rs_, m, seed):
 
 
 # Layouts: the default; one chunk of the row's next power of two (the first version); two
-# rows per program with chunks smaller than the row, the last one masked; four rows a
-# program, each prefetched in the pass before (the last program's rows past M and rows_out).
+# rows per program with chunks smaller than the row, the last one masked.
 LAYOUTS = [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8), rq.Layout(2, 64, 4),
-           rq.Layout(2, 64, 4, reload=True), rq.Layout(4, 64, 4, prefetch=True)]
-LAYOUT_IDS = ["default", "one_chunk", "two_rows", "two_rows_reload", "prefetch"]
+           rq.Layout(2, 64, 4, reload=True)]
+LAYOUT_IDS = ["default", "one_chunk", "two_rows", "two_rows_reload"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
@@ -103,8 +102,6 @@ def test_bad_input_is_rejected():
         rq.Layout(rows_per_program=3)
     with pytest.raises(ValueError, match="chunk size"):
         rq.Layout(chunk=None, reload=True)
-    with pytest.raises(ValueError, match="prefetch"):
-        rq.Layout(reload=True, prefetch=True)
     assert rq.row_quantize(x, shift, scale, prologue="norm", eps=EPS)[0].shape == (8, 64)  # auto on CPU
 
 
@@ -113,8 +110,7 @@ def test_bad_input_is_rejected():
     ("norm", 757, 9216, rq.Layout(4, 1024, 8), 190),
     ("gelu", 760, 8064, rq.DEFAULT_LAYOUT, 760),  # tp=4's MLP hidden, read from up's 760 rows
     ("none", 757, 2304, rq.DEFAULT_LAYOUT, 760),  # tp=4's attention output
-    ("norm", 757, 9216, rq.Layout(1, 1024, 4, reload=True), 760),
-    ("gelu", 760, 8064, rq.Layout(4, 2048, 8, prefetch=True), 190)])
+    ("norm", 757, 9216, rq.Layout(1, 1024, 4, reload=True), 760)])
 def test_lowers_for_cuda_as_one_triton_kernel(monkeypatch, prologue, rows_in, d, layout, grid):
     """At characters-57b's shapes (757 rows -> 760): one Triton custom call, a program per
     rows_per_program output rows (the Triton lowering asks for the GPU's info: an H100's is
@@ -216,9 +212,8 @@ def test_host_emulation_is_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8),
-                                    rq.Layout(4, 1024, 8), rq.Layout(1, 1024, 4, reload=True),
-                                    rq.Layout(4, 2048, 8, prefetch=True)],
-                         ids=["default", "one_chunk", "four_rows", "reload", "prefetch"])
+                                    rq.Layout(4, 1024, 8), rq.Layout(1, 1024, 4, reload=True)],
+                         ids=["default", "one_chunk", "four_rows", "reload"])
 @pytest.mark.parametrize("m,d", [(757, 9216), (40, 2304)])
 def test_kernel_on_gpu_matches_reference(m, d, layout):
     """On the GPU at the model's shape, NaN-poisoned memory first, against the host's float64
@@ -250,9 +245,8 @@ def test_kernel_on_gpu_matches_reference(m, d, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prologue,d", [("gelu", 8064), ("gelu", 16128), ("none", 2304)])
-@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, 1024, 4, reload=True),
-                                    rq.Layout(4, 2048, 8, prefetch=True)],
-                         ids=["default", "reload", "prefetch"])
+@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, 1024, 4, reload=True)],
+                         ids=["default", "reload"])
 def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
     """The MLP hidden from up's 760-row output (its padding rows NaN, never read) and the
     attention output, on the GPU against a float64 host emulation (GELU rounded to bf16)."""
