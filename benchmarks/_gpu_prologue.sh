@@ -1,4 +1,5 @@
-# Sourced by the one-GPU scripts (gpu_check_prepared.sh, gpu_out_down.sh, gpu_tp_share.sh):
+# Sourced by the one-GPU scripts (gpu_check_prepared.sh, gpu_out_down.sh, gpu_row_layout.sh,
+# gpu_tp_share.sh):
 # strict mode, the environment every GPU call keeps (NVLink multicast off), $OUT made, and
 # the deadline clock.
 #   source benchmarks/_gpu_prologue.sh DEFAULT_OUT DEFAULT_DEADLINE_S

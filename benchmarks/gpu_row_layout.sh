@@ -10,12 +10,7 @@
 # Knobs: DEADLINE_S (560), STEP_VARIANTS (ring_fused_row), QUANT_ARGS (extra
 # bench_row_quantize.py arguments, e.g. "--unrolled --layouts 1x2048x8 1x2048x16"),
 # QUANT_LIMIT_S (240). Everything goes to $OUT.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out/gpu_row_layout}
-DEADLINE_S=${DEADLINE_S:-560}
-mkdir -p "$OUT"
-START=$SECONDS
+source "$(dirname "$0")/_gpu_prologue.sh" out/gpu_row_layout 560
 ( PYTHONPATH=. timeout 120 python3 -m pytest -q -m gpu tests/test_fp8_row_quantize.py > "$OUT/tests.log" 2>&1 )
 echo "tests: rc=$? $(tail -1 "$OUT/tests.log")" | tee "$OUT/summary.txt"
 PYTHONPATH=. timeout "${QUANT_LIMIT_S:-240}" python3 benchmarks/bench_row_quantize.py --out "$OUT" ${QUANT_ARGS:-} > "$OUT/quant.log" 2>&1

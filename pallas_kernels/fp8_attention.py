@@ -678,7 +678,7 @@ def _prepare_inputs_q_in_kernel(q, k_scale, v_scale, valid, block_kv):
     count is not a multiple of 8, so the pad stays; in the model XLA can fuse it into Q's
     producer), the per-head scales [H, 2] (:func:`_head_scales`) and the slot bias [S']."""
     tq, _, d = q.shape
-    tq_pad = -(-tq // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    tq_pad = padded_queries(tq)
     qb = jnp.pad(q.astype(jnp.bfloat16), ((0, tq_pad - tq), (0, 0), (0, 0)))
     return (qb,), _head_scales(k_scale, v_scale, _any_valid(valid), d), _slot_bias(valid, block_kv)
 
@@ -872,7 +872,7 @@ def _fp8_attention_call(q8, k8, vt, scales, bias, *, tq, block_kv, stages, out_d
     if stacked and not v_in_kernel:
         raise ValueError("reading the K/V stack in place needs v_in_kernel=True")
     num_layers = k8.shape[0] if stacked else 1
-    tq_pad = -(-tq_in // (COMPUTE_WGS * BLOCK_Q)) * (COMPUTE_WGS * BLOCK_Q)
+    tq_pad = padded_queries(tq_in)
     if vt_stored and not v_in_kernel:
         raise ValueError("vt_stored is a form of v_in_kernel=True")
     if vt_stored and vt.shape[-1] % block_kv:
