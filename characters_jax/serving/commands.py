@@ -41,7 +41,14 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any, -1: off)")
     p.add_argument("--decoder", default=None, help="address of a running decoder (host:port or unix:PATH); default: start and supervise one")
-    p.add_argument("--decoder-device", default=None, help="CUDA_VISIBLE_DEVICES of the started decoder")
+    p.add_argument("--decoder-device", default=None,
+                   help="GPU of the started decoder: a visible index, a UUID, or 'cpu'; default: a GPU of its own "
+                        "when the machine has more GPUs than --tp, else the generator's first GPU (shared)")
+    p.add_argument("--decoder-memory-gib", type=float, default=None,
+                   help="the decoder's device memory budget (default: estimated from the config)")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="fraction of each generator GPU's memory the generator may take (default: all that the decoder "
+                        "and the per-process reserves leave)")
     p.add_argument("--lead-chunks", type=int, default=3, help="how many chunks the step loop may run ahead of the client's playout")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds a READY session waits for Converse")
     p.add_argument("--audio-timeout", type=float, default=30.0, help="seconds without audio (and no end_of_audio) before a running session fails")

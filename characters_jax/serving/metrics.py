@@ -30,6 +30,7 @@ class WorkerMetrics:
         self.compiled_programs = prom.Gauge("characters_compiled_programs", "XLA programs compiled in this process so far", registry=r)
         self.generator_programs = prom.Gauge("characters_generator_programs", "Compiled executables held by the generator", registry=r)
         self.live_device_bytes = prom.Gauge("characters_live_device_bytes", "Bytes of live device arrays (after the last session)", registry=r)
+        self.device_memory = prom.Gauge("characters_device_memory_bytes", "Device memory of the generator (summed over its devices) and, as decoder_*, of its decoder process, from the allocators", ["kind"], registry=r)
         self.live_device_arrays = prom.Gauge("characters_live_device_arrays", "Number of live device arrays (after the last session)", registry=r)
         for s in STATES:
             self.sessions.labels(s).set(0)
@@ -65,8 +66,29 @@ class WorkerMetrics:
         self.live_device_bytes.set(sum(a.nbytes for a in arrays))
         if generator is not None and hasattr(generator, "compiled_programs"):
             self.generator_programs.set(generator.compiled_programs())
+        self.set_device_memory(device_memory())
+
+    def set_device_memory(self, memory: dict) -> None:
+        """memory: `device_memory()` of this process (or 'decoder_'-prefixed keys of the decoder's)."""
+        for key, value in memory.items():
+            self.device_memory.labels(key).set(value)
 
     def serve_http(self, port: int) -> int:
         """Serves /metrics on 127.0.0.1-and-all interfaces; returns the bound port."""
         server, _ = prom.start_http_server(port, registry=self.registry)
         return server.server_port
+
+
+def device_memory() -> dict:
+    """This process's device memory from the allocator, summed over its local devices:
+    bytes_in_use, peak_bytes_in_use, bytes_limit (absent on backends that do not report
+    them, such as the CPU). Host-side only: no device sync."""
+    import jax
+
+    out: dict = {}
+    for d in jax.local_devices():
+        stats = d.memory_stats() or {}
+        for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
+            if key in stats:
+                out[key] = out.get(key, 0) + int(stats[key])
+    return out

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 import signal
 import sys
 import tempfile
@@ -22,19 +21,19 @@ from concurrent import futures
 
 import grpc
 
+from characters_jax.serving.placement import host_device_flags
+
 log = logging.getLogger("characters_jax.serving.server")
 
 SERVICE_NAME = "characters.v1.CharacterService"
 SERVER_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20), ("grpc.so_reuseport", 0)]
 
 
-def child_env(device_count: int = 1, cuda_device: str | None = None) -> dict[str, str]:
-    """This process's environment with its own XLA host device count (and GPU, if given)."""
+def child_env(device_count: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with its own XLA host device count, plus `extra`."""
     env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={device_count}".strip()
-    if cuda_device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_device
+    env["XLA_FLAGS"] = host_device_flags(env.get("XLA_FLAGS", ""), device_count)
+    env.update(extra or {})
     return env
 
 
@@ -75,25 +74,43 @@ def run_decoder(args) -> int:
         return 1
     import jax
 
-    log.info("decoder ready", extra={"fields": {"listen": args.listen, "port": port, "config": cfg.name, "device": str(jax.devices()[0]), "startup_s": round(time.perf_counter() - t0, 2)}})
-    _write_json(args.state_file, {"port": port, "pid": os.getpid()})
+    from characters_jax.serving.metrics import device_memory
+
+    memory = device_memory()
+    log.info("decoder ready", extra={"fields": {"listen": args.listen, "port": port, "config": cfg.name, "device": str(jax.devices()[0]), "startup_s": round(time.perf_counter() - t0, 2), **memory}})
+    _write_json(args.state_file, {"port": port, "pid": os.getpid(), "device": str(jax.devices()[0]), "memory": memory})
     stop.wait()
     server.stop(grace=1).wait()
     log.info("decoder stopped")
     return 0
 
 
-def _warmup(generator, frontend, cfg, metrics) -> None:
-    """Compiles the prefill of every prompt bucket and the step, so sessions never compile."""
+def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
+    """Compiles the prefill of every prompt bucket and the step, so sessions never compile,
+    then times `timed_steps` more steps (the worker's honest speed, logged at start-up).
+    Returns {compile_s, step_ms (median), fps_capacity, real_time, memory}."""
     import numpy as np
 
+    from characters_jax.serving.metrics import device_memory
+
     v, m = cfg.video, cfg.model
+    t0 = time.perf_counter()
     latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
     for n in cfg.cache.prompt_buckets:
         generator.start_session(latent, [32] * n, 0)
     tokens = frontend.tokens(np.zeros(frontend.spec.window_samples, np.float32))
     generator.step(tokens).block_until_ready()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(timed_steps):
+        t = time.perf_counter()
+        generator.step(tokens).block_until_ready()
+        times.append(time.perf_counter() - t)
     metrics.refresh_device_stats(generator)
+    step_ms = float(np.median(times)) * 1e3
+    fps = v.frames_per_step / (step_ms / 1e3)
+    return {"compile_s": round(compile_s, 2), "step_ms": round(step_ms, 2), "fps_capacity": round(fps, 1),
+            "real_time": bool(step_ms <= v.step_seconds * 1e3), "memory": device_memory()}
 
 
 def run_worker(args) -> int:
@@ -108,6 +125,7 @@ def run_worker(args) -> int:
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.images import ImageLimits
     from characters_jax.serving.metrics import WorkerMetrics
+    from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
     from characters_jax.serving.session import SessionTable
     from characters_jax.serving.supervisor import Supervisor
     from characters_jax.serving.worker import CharacterServicer, WorkerContext, WorkerOptions
@@ -115,26 +133,34 @@ def run_worker(args) -> int:
     stop = _wait_for_stop()
     t_start = time.perf_counter()
     cfg = load_config(args.config)
-    cfg.validate_tp(args.tp)
+    # Placement first: a plan that cannot fit is refused before anything is initialised.
+    placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
+                     decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
+                     generator_memory_fraction=args.memory_fraction)
+    apply_to_this_process(placement.generator_env())
+    log.info("placement", extra={"fields": {"placement": placement.summary}})
     metrics = WorkerMetrics()
     metrics.count_compiles()
-    state: dict = {"pid": os.getpid(), "config": cfg.name}
+    state: dict = {"pid": os.getpid(), "config": cfg.name, "placement": placement.summary}
 
     supervisor = None
     tmpdir = None
+    decoder_state = None
     if args.decoder:
         decoder_address = args.decoder
     else:
         tmpdir = tempfile.TemporaryDirectory(prefix="characters-decoder-")
         decoder_address = f"unix:{tmpdir.name}/decoder.sock"
-        argv = [sys.executable, "-m", "characters_jax.cli", "decode-serve", "--config", args.config, "--listen", decoder_address, "--seed", str(args.seed)]
+        decoder_state = pathlib.Path(tmpdir.name) / "decoder.json"
+        argv = [sys.executable, "-m", "characters_jax.cli", "decode-serve", "--config", args.config, "--listen", decoder_address,
+                "--seed", str(args.seed), "--state-file", str(decoder_state)]
 
         def on_start(pid, restarts):
             state.update(decoder_pid=pid, decoder_restarts=restarts)
             if state.get("port"):
                 _write_json(args.state_file, state)
 
-        supervisor = Supervisor("decoder", argv, env=child_env(1, args.decoder_device), on_start=on_start)
+        supervisor = Supervisor("decoder", argv, env=child_env(1, placement.decoder_env()), on_start=on_start)
         supervisor.start()
     state["decoder_address"] = decoder_address
 
@@ -142,7 +168,8 @@ def run_worker(args) -> int:
 
     generator = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed)
     frontend = AudioFrontEnd(cfg)
-    _warmup(generator, frontend, cfg, metrics)
+    state["warmup"] = _warmup(generator, frontend, cfg, metrics)
+    log.info("generator compiled", extra={"fields": state["warmup"]})
     decoder = DecoderClient(decoder_address)
     ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
 
@@ -171,12 +198,22 @@ def run_worker(args) -> int:
     while not decoder.wait_ready(1.0):
         if stop.is_set():
             return 0
+    if decoder_state is not None and decoder_state.exists():
+        decoder_memory = json.loads(decoder_state.read_text()).get("memory", {})
+        state["decoder_memory"] = decoder_memory
+        metrics.set_device_memory({f"decoder_{k}": v for k, v in decoder_memory.items()})
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     server.start()
     state.update(port=port, metrics_port=metrics_port)
+    warm = state["warmup"]
+    state["startup_s"] = round(time.perf_counter() - t_start, 2)
     _write_json(args.state_file, state)
-    log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": round(time.perf_counter() - t_start, 2), "checkpoint": args.checkpoint or "random weights"}})
+    log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": state["startup_s"], "step_ms": warm["step_ms"], "checkpoint": args.checkpoint or "random weights"}})
+    if not warm["real_time"]:
+        log.warning("not real time on this hardware", extra={"fields": {
+            "step_ms": warm["step_ms"], "budget_ms": round(cfg.video.step_seconds * 1e3, 1), "fps_capacity": warm["fps_capacity"],
+            "note": "sessions stream at this rate, below the video's fps: playout will stall"}})
 
     stop.wait()
     log.info("shutting down")

@@ -1,0 +1,127 @@
+"""Device placement of a worker: plans on described machines, and `serve` refusing a plan
+that cannot fit within seconds, before any initialisation (GPUs described by a stand-in
+`nvidia-smi` on PATH)."""
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from characters_jax.config import ConfigError, load_config
+from characters_jax.serving import placement as pl
+from characters_jax.serving.server import child_env
+
+MIB = 1 << 20
+H200 = ("NVIDIA H200", 143771)
+H100 = ("NVIDIA H100 80GB HBM3", 81559)
+C57 = load_config("characters-57b")
+
+
+def gpus(kind, n, used_mib=500):
+    name, total = kind
+    return [pl.Gpu(i, f"GPU-{i:08d}-aaaa", name, total * MIB, used_mib * MIB) for i in range(n)]
+
+
+def test_one_h200_shares_the_gpu_with_explicit_budgets():
+    p = pl.plan(C57, 1, gpus(H200, 1))
+    assert p.platform == "gpu" and p.decoder_shares_gpu
+    need = pl.generator_need(C57, 1)
+    total = H200[1] * MIB
+    # Both pools and both reserves fit the card, and the generator's pool holds its need.
+    assert p.generator_fraction * total >= need.total
+    assert (p.generator_fraction + p.decoder_fraction) * total + 2 * pl.PROCESS_RESERVE_BYTES <= total
+    env = p.generator_env()
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-00000000-aaaa"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == env["XLA_CLIENT_MEM_FRACTION"] == f"{p.generator_fraction:.3f}"
+    assert p.decoder_env()["CUDA_VISIBLE_DEVICES"] == "GPU-00000000-aaaa"
+    assert float(p.decoder_env()["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == p.decoder_fraction
+
+
+def test_a_spare_gpu_goes_to_the_decoder():
+    p = pl.plan(C57, 2, gpus(H200, 3))
+    assert p.generator_devices == ("GPU-00000000-aaaa", "GPU-00000001-aaaa")
+    assert p.decoder_device == "GPU-00000002-aaaa" and not p.decoder_shares_gpu
+    assert pl.plan(C57, 4, gpus(H200, 4)).decoder_device == "GPU-00000000-aaaa"  # none spare: shares
+    assert pl.plan(C57, 1, gpus(H200, 2), decoder_device="0").decoder_shares_gpu
+    cpu = pl.plan(load_config("small"), 1, gpus(H200, 1), decoder_device="cpu")
+    assert cpu.decoder_env() == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_more_tp_than_gpus_is_refused_with_what_fits():
+    with pytest.raises(pl.PlacementError, match=r"--tp 4 needs 4 GPUs; 2 visible .*sizes that this machine has GPUs for: 1, 2"):
+        pl.plan(C57, 4, gpus(H200, 2))
+
+
+def test_a_config_that_does_not_fit_names_its_need_and_what_would():
+    with pytest.raises(pl.PlacementError) as err:
+        pl.plan(C57, 1, gpus(H100, 1))
+    msg = str(err.value)
+    assert "needs ~" in msg and "parameters 53.2 GiB" in msg and "at least 2 such GPUs" in msg, msg
+    # Memory other processes hold counts: a busy H200 is refused too.
+    with pytest.raises(pl.PlacementError, match="in use"):
+        pl.plan(C57, 1, gpus(H200, 1, used_mib=90_000))
+    with pytest.raises(pl.PlacementError, match="not a visible GPU"):
+        pl.plan(C57, 1, gpus(H200, 1), decoder_device="7")
+    with pytest.raises(ConfigError, match="num_heads"):
+        pl.plan(C57, 5, gpus(H200, 8))
+
+
+def test_needs_follow_the_shapes():
+    one, four = pl.generator_need(C57, 1), pl.generator_need(C57, 4)
+    assert 53 * (1 << 30) < one.params < 54 * (1 << 30)  # ~57B parameters, FP8 blocks
+    # Replicated: embeddings, heads and the shared adaLN MLP (~1 GiB), a few percent.
+    assert 0 < four.params * 4 - one.params < 0.06 * one.params
+    assert abs(four.cache * 4 - one.cache) < 0.001 * one.cache  # K/V over heads; slot masks replicated
+    assert pl.decoder_need(C57) > 10 * pl.decoder_need(load_config("small"))
+
+
+def test_cpu_plan_gives_the_generator_enough_host_devices(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    p = pl.plan(load_config("tiny"), 2, [])
+    assert p.platform == "cpu"
+    assert p.generator_env() == {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    assert pl.plan(load_config("tiny"), 2, []).generator_env() == {}
+    with pytest.raises(pl.PlacementError, match="no GPU is visible"):
+        pl.plan(load_config("tiny"), 1, [], decoder_device="0")
+
+
+def fake_smi(tmp_path, kind, n):
+    """A stand-in nvidia-smi answering the inventory query for n GPUs of `kind`."""
+    name, total = kind
+    rows = "\\n".join(f"{i}, GPU-{i:08d}-aaaa, {name}, {total}, 500" for i in range(n))
+    path = tmp_path / "nvidia-smi"
+    path.write_text(f"#!/bin/sh\nprintf '{rows}\\n'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def test_visible_gpus_honours_cuda_visible_devices(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{fake_smi(tmp_path, H200, 4)}:{os.environ['PATH']}")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [g.index for g in pl.visible_gpus()] == [0, 1, 2, 3]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-00000000")
+    assert [g.index for g in pl.visible_gpus()] == [2, 0]
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert pl.visible_gpus() == []
+
+
+@pytest.mark.parametrize("kind, n, args, expect", [
+    (H200, 1, ["--tp", "2"], "--tp 2 needs 2 GPUs; 1 visible"),
+    (H100, 1, [], "at least 2 such GPUs"),
+])
+def test_serve_refuses_a_plan_that_cannot_fit_within_seconds(tmp_path, kind, n, args, expect):
+    env = child_env(1, {"PATH": f"{fake_smi(tmp_path, kind, n)}:{os.environ['PATH']}"})
+    env.pop("JAX_PLATFORMS", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "characters_jax.cli", "serve", "--config", "characters-57b", "--port", "0",
+                        "--metrics-port", "-1", *args], env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert elapsed < 60, f"refused after {elapsed:.1f} s"
