@@ -203,11 +203,15 @@ class Placement:
 
 
 def _budget_env(fraction: float | None) -> dict[str, str]:
+    """The GPU backend's pool (preallocated once, at start-up) and no fallback to the CPU:
+    a GPU process whose CUDA backend cannot start fails instead of serving from the host."""
+    env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS") or "cuda"}
     if fraction is None:
-        return {}
-    f = f"{fraction:.3f}"
-    # Both names: jax has renamed the variable; the pool is preallocated once, at start-up.
-    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f, "XLA_CLIENT_MEM_FRACTION": f, "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+        return env
+    # One spelling only: the CUDA plugin rejects both set at once (and then falls back to
+    # the CPU). The newer name where the user already uses it, else the one jax 0.11 reads.
+    name = "XLA_CLIENT_MEM_FRACTION" if "XLA_CLIENT_MEM_FRACTION" in os.environ else "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    return {**env, name: f"{fraction:.3f}", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
 
 def _gib(n: float) -> str:
