@@ -38,6 +38,7 @@ class Worker:
 
     def __init__(self, tmp: pathlib.Path, config: str = "tiny", args: tuple[str, ...] = (), env: dict | None = None,
                  ready_timeout: float = 300.0):
+        tmp.mkdir(parents=True, exist_ok=True)
         self.state_file = tmp / "worker.json"
         self.log_path = tmp / "worker.log"
         self.log = open(self.log_path, "w")

@@ -126,3 +126,20 @@ def test_serve_refuses_a_plan_that_cannot_fit_within_seconds(tmp_path, kind, n, 
     assert r.returncode == 2, r.stderr[-2000:]
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert elapsed < 60, f"refused after {elapsed:.1f} s"
+
+
+def test_a_session_at_tp2_on_the_cpu_mesh(tmp_path):
+    """The sharded generator (2 host devices standing in for 2 GPUs) behind the service."""
+    from characters_jax.protos_gen import characters_pb2 as pb
+    from serving_harness import Worker, png, speech
+
+    w = Worker(tmp_path, "tiny", args=("--tp", "2"), env=child_env(1))
+    try:
+        assert "generator on 2 host device(s)" in w.state()["placement"]
+        s = w.client.create_session(png(), prompt="two devices", seed=2)
+        pcm = speech(0.5)
+        res = w.client.converse(s.session_id, pcm, realtime=False)
+    finally:
+        w.stop()
+    assert res.final_event.state == pb.COMPLETED and len(res.chunks) == 3
+    assert all(c.width == 128 and len(c.frames) == 4 for c in res.chunks)

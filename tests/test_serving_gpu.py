@@ -18,6 +18,7 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving import placement
+from characters_jax.serving.server import child_env
 from serving_harness import Worker, png, speech
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +42,9 @@ def test_a_session_on_the_gpu(tmp_path, config, seconds, ready_within_s):
         plan = placement.plan(cfg, 1, gpus)
     except placement.PlacementError as err:
         pytest.skip(f"{config} does not fit this machine: {err}")
-    w = Worker(tmp_path, config, ready_timeout=600)
+    # A fresh compilation cache: a cold start, as on a new machine; then a restart with it.
+    env = child_env(1, {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")})
+    w = Worker(tmp_path / "cold", config, env=env, ready_timeout=600)
     try:
         state = w.state()
         pcm = speech(seconds, seed=7)
@@ -51,6 +54,9 @@ def test_a_session_on_the_gpu(tmp_path, config, seconds, ready_within_s):
         final = w.client.get_session(session.session_id)
     finally:
         w.stop()
+    restart = Worker(tmp_path / "warm", config, env=env, ready_timeout=600)
+    restart_s = restart.state()["startup_s"]
+    restart.stop()
     tl = Timeline.from_config(cfg)
     steps = tl.steps_for(len(pcm))
     assert final.state == pb.COMPLETED and result.final_event.state == pb.COMPLETED
@@ -63,6 +69,7 @@ def test_a_session_on_the_gpu(tmp_path, config, seconds, ready_within_s):
     report = {
         "placement": state["placement"],
         "startup_s": state["startup_s"],
+        "restart_with_compile_cache_s": restart_s,
         "warmup": state["warmup"],
         "decoder_memory": state.get("decoder_memory"),
         **{k: summary[k] for k in ("frames", "sustained_fps", "playout_underruns", "step_ms_p50", "step_ms_p99",

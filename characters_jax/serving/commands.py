@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (diffusion devices)")
     p.add_argument("--checkpoint", default=None, help="weights directory (random weights if absent)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--compile-cache", default="auto",
+                   help="XLA's persistent compilation cache, so a restart does not compile again: a directory, 'off', "
+                        "or 'auto' ($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/characters-jax/xla)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any, -1: off)")

@@ -8,6 +8,7 @@ reflection on one port and Prometheus metrics on another. It writes a small JSON
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -85,6 +86,37 @@ def run_decoder(args) -> int:
     return 0
 
 
+def _use_compile_cache(choice: str) -> str | None:
+    """Points XLA's persistent compilation cache at a directory ('auto': the environment's,
+    else ~/.cache/characters-jax/xla; 'off': none). Returns the directory in use."""
+    import jax
+
+    if choice == "off":
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") if choice == "auto" else choice
+    path = path or str(pathlib.Path.home() / ".cache" / "characters-jax" / "xla")
+    pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
+def _compile_concurrently(generator, tokens) -> None:
+    """Compiles the prefill of every prompt bucket and the step at once, one thread each
+    (XLA compiles outside the GIL), ahead of their first call, which then finds them
+    compiled. tokens: one step's audio tokens."""
+    import jax.numpy as jnp
+
+    e, cfg = generator.engine, generator.config
+    latent = jnp.zeros((cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
+    jobs = [functools.partial(e.prefill.lower, generator.params, generator.state, latent, jnp.zeros((b,), jnp.int32),
+                              jnp.int32(1), jnp.uint32(0)) for b in cfg.cache.prompt_buckets]
+    jobs.append(functools.partial(e.step.lower, generator.params, generator.state, tokens))
+    with futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="compile") as pool:
+        for done in [pool.submit(lambda lower: lower().compile(), job) for job in jobs]:
+            done.result()
+
+
 def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
     """Compiles the prefill of every prompt bucket and the step, so sessions never compile,
     then times `timed_steps` more steps (the worker's honest speed, logged at start-up).
@@ -95,10 +127,11 @@ def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
 
     v, m = cfg.video, cfg.model
     t0 = time.perf_counter()
-    latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
-    for n in cfg.cache.prompt_buckets:
-        generator.start_session(latent, [32] * n, 0)
     tokens = frontend.tokens(np.zeros(frontend.spec.window_samples, np.float32))
+    _compile_concurrently(generator, tokens)
+    latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
+    for n in cfg.cache.prompt_buckets:  # the compiled programs, run once each
+        generator.start_session(latent, [32] * n, 0)
     generator.step(tokens).block_until_ready()
     compile_s = time.perf_counter() - t0
     times = []
@@ -143,6 +176,7 @@ def run_worker(args) -> int:
     metrics.count_compiles()
     state: dict = {"pid": os.getpid(), "config": cfg.name, "placement": placement.summary}
 
+    state["compile_cache"] = _use_compile_cache(args.compile_cache)
     supervisor = None
     tmpdir = None
     decoder_state = None
@@ -160,7 +194,8 @@ def run_worker(args) -> int:
             if state.get("port"):
                 _write_json(args.state_file, state)
 
-        supervisor = Supervisor("decoder", argv, env=child_env(1, placement.decoder_env()), on_start=on_start)
+        cache_env = {"JAX_COMPILATION_CACHE_DIR": state["compile_cache"]} if state["compile_cache"] else {}
+        supervisor = Supervisor("decoder", argv, env=child_env(1, {**placement.decoder_env(), **cache_env}), on_start=on_start)
         supervisor.start()
     state["decoder_address"] = decoder_address
 
