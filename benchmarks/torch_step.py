@@ -579,8 +579,13 @@ def make_ops(spec: StepSpec, quant: str | None, cache_dtype, compiler: Callable 
 
 def inductor(fn):
     """torch.compile for one elementwise function: whole graph, static shapes, no
-    Inductor CUDA graphs (the step is captured as one graph by TorchStep)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+    Inductor CUDA graphs (the step is captured as one graph by TorchStep), and the
+    roundings to bf16 between float32 steps kept where the model has them (Inductor's
+    emulate_precision_casts; without it a fused kernel keeps such values in float32)."""
+    import torch._inductor.config as inductor_config
+
+    options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else None
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 # ==========================================================================================
@@ -698,6 +703,11 @@ class TorchStep:
         self.gen = torch.Generator(device=dev)
         self.step_index, self.frame_time_host, self.sink_full = 0, 1, False
         self.notes = []
+
+    @property
+    def captured(self) -> tuple[str, ...]:
+        """The mask variants captured as CUDA graphs so far ('masked', 'unmasked')."""
+        return tuple("masked" if m else "unmasked" for m in sorted(self._graphs, reverse=True))
 
     # ---- session ----------------------------------------------------------------------------
     def start_session(self, image_latent, prompt_tokens, seed: int = 0) -> None:
@@ -1135,14 +1145,15 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     init_s = time.perf_counter() - t0
     log(f"[torch] random weights on {device} in {init_s:.1f} s")
     audio = torch.from_numpy(inputs.audio[0]).to(device)
-    modes = list(SCALES) if args.scales == "both" else [args.scales]
-    if spec.weight_dtype != "fp8":
-        modes = modes[:1]
+    if spec.weight_dtype == "fp8":
+        modes = list(SCALES) if args.scales == "both" else [args.scales]
+    else:
+        modes = ["float"]  # float block weights: no activation scales
     total = 1 + args.warmup + args.steps
     resets = reset_steps(total, cfg.cache.ring_frames, cfg.cache.reset_period)
     results = {}
     for mode in modes:
-        engine = TorchStep(spec, weights, device, act_scale=mode, compile=not args.no_compile,
+        engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row", compile=not args.no_compile,
                            graphs=not args.no_graphs, mask=args.mask, attention=args.attention, group=group)
         engine.start_session(inputs.image, inputs.prompt, seed=args.seed)
         t0 = time.perf_counter()
@@ -1254,7 +1265,8 @@ def markdown_report(r: dict) -> str:
     flops, tp = r["step_flops"], r["tp"]
     jx = r.get("jax", {}).get("step_ms", {})
     modes = r.get("torch", {}).get("modes", {})
-    cols = [("JAX (DiTGenerator defaults)", jx)] + [(f"PyTorch, {m} scales", v.get("step_ms", {})) for m, v in modes.items()]
+    label = lambda m: f"PyTorch, {m} scales" if m in SCALES else f"PyTorch, {m} weights"  # noqa: E731
+    cols = [("JAX (DiTGenerator defaults)", jx)] + [(label(m), v.get("step_ms", {})) for m, v in modes.items()]
     lines = [f"### {r['config']}, tp={tp}: the step, JAX and PyTorch on the same GPU{'s' if tp > 1 else ''}", "",
              f"`{r['command']}`  ", f"{r['device']}; jax {r.get('jax', {}).get('jax', '-')}, torch {r.get('torch', {}).get('torch', '-')}; "
              f"{r['step_flops'] / 1e12:.1f} TFLOP a step; {r['timed_steps']} timed steps after {r['warmup']} warm-up", "",
@@ -1269,7 +1281,7 @@ def markdown_report(r: dict) -> str:
     row("PyTorch p50 / JAX p50", lambda p: _fmt(p["p50"] / jx["p50"], ".3f") if p.get("p50") and jx.get("p50") else "-")
     if modes:
         lines += ["", "PyTorch device time per step by component (torch.profiler, eager runs of the step's body):", "",
-                  "| component | " + " | ".join(f"{m} scales (ms)" for m in modes) + " |", "|---|" + "---|" * len(modes)]
+                  "| component | " + " | ".join(f"{label(m)} (ms)" for m in modes) + " |", "|---|" + "---|" * len(modes)]
         first = next(iter(modes.values())).get("breakdown", {})
         for comp in list(first.get("components_ms", {})) + ["other_ms", "kernel_ms"]:
             cells = []
@@ -1280,7 +1292,7 @@ def markdown_report(r: dict) -> str:
         lines.append("")
         for m, v in modes.items():
             mask = "masked" if v.get("timed_steps_masked") else "no mask (every slot valid: the best case for PyTorch)"
-            lines.append(f"- {m} scales: attention {v.get('attention_backend')}, timed steps {mask}; "
+            lines.append(f"- {label(m)}: attention {v.get('attention_backend')}, timed steps {mask}; "
                          f"masked warm-up steps p50 {_fmt(v.get('masked_warmup_step_ms', {}).get('p50'))} ms; "
                          f"graphs {v.get('graphs')}, compiled {v.get('compiled')}")
     for note in r.get("notes", []):
