@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 2; fi
 	@test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,train]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
