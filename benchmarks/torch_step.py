@@ -733,7 +733,7 @@ class TorchStep:
         temb = self._time_embedding(self.sink_features)
         shared = self._shared_modulation(temb)
         mask = self.valid.view(1, 1, 1, -1)
-        with self._sdpa(True, probe=None):
+        with self._sdpa(True, pick=False):
             for layer in range(sp.num_blocks):
                 tokens = self._block(layer, tokens, shared, cos, sin, slots, mask, self.eager_ops)
         self.step_index, self.frame_time_host = 0, 1
@@ -751,6 +751,10 @@ class TorchStep:
         [T_img, C] float32 or None (drawn from the session's generator) -> the latent
         [T_img, C] float32: a static buffer, valid until the next step. No host sync."""
         sp = self.spec
+        if tuple(audio.shape) != tuple(self.audio.shape):
+            raise ValueError(f"audio must have shape {tuple(self.audio.shape)}, got {tuple(audio.shape)}")
+        if noise is not None and tuple(noise.shape) != tuple(self.noise.shape):
+            raise ValueError(f"noise must have shape {tuple(self.noise.shape)}, got {tuple(noise.shape)}")
         if self.frame_time_host >= sp.ring_frames + sp.reset_period:
             with _scope("cache_write"):
                 self._rotate_ring(-sp.reset_period)
@@ -766,7 +770,7 @@ class TorchStep:
         if self.graphs:
             self._graph(masked).replay()
         else:
-            with self._sdpa(masked, probe=self._probe(masked)):
+            with self._sdpa(masked, pick=True):
                 self._step_body(masked)
         self.step_index += 1
         self.frame_time_host += 1
@@ -865,9 +869,10 @@ class TorchStep:
         q = torch.zeros((1, sp.heads, sp.tokens, sp.head_dim), dtype=self.spec.act_dtype, device=self.device)
         return q, self.k_cache[0][None], self.v_cache[0][None], (self.valid.view(1, 1, 1, -1) if masked else None)
 
-    def _sdpa(self, masked: bool, probe):
+    def _sdpa(self, masked: bool, pick: bool):
         """The SDPA backend context for the mask variant (CUDA; CPU: the default dispatch).
-        At the first use on CUDA with a probe, the backend is picked (``pick_sdpa_backend``)."""
+        Not picked yet: with pick, picked now on the step's operands (``pick_sdpa_backend``),
+        else SDPA's own dispatch (the prefill)."""
         import contextlib
 
         if not self.cuda:
@@ -875,31 +880,54 @@ class TorchStep:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         if masked not in self.backend:
-            if probe is None:  # the prefill: whatever SDPA's dispatch takes with a mask
+            if not pick:
                 return contextlib.nullcontext()
-            self.backend[masked], self.backend_timings[masked] = pick_sdpa_backend(*probe, choice=self.attention)
+            self.backend[masked], self.backend_timings[masked] = pick_sdpa_backend(*self._probe(masked), choice=self.attention)
         return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[self.backend[masked]])])
 
     def _graph(self, masked: bool):
-        """The step's CUDA graph for the mask variant, captured at its first use: two eager
-        runs on a side stream first (Inductor compiles, cuBLAS/cuDNN plans; the body is
-        idempotent: it overwrites the same slots from the same static inputs), then one
-        capture into the memory pool the variants share."""
+        """The step's CUDA graph for the mask variant, captured at its first use. Should the
+        capture fail with the fastest SDPA backend, it is captured once more with the next
+        one (a note says so)."""
         graph = self._graphs.get(masked)
         if graph is not None:
             return graph
+        try:
+            graph = self._capture(masked)
+        except RuntimeError as err:
+            timings = self.backend_timings.get(masked, {})
+            failed = self.backend.get(masked)
+            others = sorted((t, n) for n, t in timings.items() if isinstance(t, float) and n != failed)
+            variant = "masked" if masked else "unmasked"
+            if not others:
+                raise RuntimeError(f"capturing the {variant} step with SDPA backend {failed!r} failed "
+                                   f"({err}); --no-graphs runs it eagerly") from err
+            self.notes.append(f"{variant} step: the capture with SDPA {failed!r} failed "
+                              f"({str(err).splitlines()[0][:160]}); captured with {others[0][1]!r}")
+            self.backend[masked] = others[0][1]
+            torch.cuda.synchronize(self.device)
+            graph = self._capture(masked)
+        self._graphs[masked] = graph
+        return graph
+
+    def _capture(self, masked: bool):
+        """Two eager runs of the body on a side stream (Inductor compiles, cuBLAS/cuDNN plans;
+        the body is idempotent: it overwrites the same slots from the same static inputs),
+        then one capture into the memory pool the variants share. With tp > 1 the capture
+        is thread-local (the NCCL watchdog thread queries events meanwhile)."""
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), self._sdpa(masked, probe=self._probe(masked)):
+        with torch.cuda.stream(side), self._sdpa(masked, pick=True):
             for _ in range(2):
                 self._step_body(masked)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with self._sdpa(masked, probe=None), torch.cuda.graph(graph, pool=self._pool):
+        mode = "thread_local" if self.spec.tp > 1 else "global"
+        with self._sdpa(masked, pick=False), torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
             self._step_body(masked)
-        self._pool = graph.pool() if self._pool is None else self._pool
-        self._graphs[masked] = graph
+        if self._pool is None:
+            self._pool = graph.pool()
         return graph
 
     def profile(self, steps: int = 2) -> dict:
@@ -910,7 +938,7 @@ class TorchStep:
 
         masked = self.masked_now()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        with self._sdpa(masked, probe=self._probe(masked)):
+        with self._sdpa(masked, pick=True):
             self._step_body(masked)  # compiled and planned outside the trace
             if self.cuda:
                 torch.cuda.synchronize(self.device)
@@ -1106,26 +1134,22 @@ def free_jax(log) -> None:
     gc.collect()
 
 
-def _cuda_time_steps(engine: TorchStep, audio, n: int) -> list[float]:
-    """ms per step: CUDA events around each step (one graph replay), waited on per step."""
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        engine.step(audio)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def _host_time_steps(engine: TorchStep, audio, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
+def time_step(engine: TorchStep, audio) -> tuple[float, float]:
+    """(device ms, host ms) of one step: CUDA events around it (the graph replay and the
+    few small kernels before it), and the host wall time to its completion (as the JAX side
+    is timed); without CUDA both are the host time."""
+    if not engine.cuda:
         t0 = time.perf_counter()
         engine.step(audio)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    engine.step(audio)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), (time.perf_counter() - t0) * 1e3
 
 
 def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=None) -> dict:
@@ -1135,9 +1159,11 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     spec = StepSpec.from_config(cfg, tp=args.tp, rank=rank)
+    free_gib = None
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
-        log(f"[torch] {torch.cuda.get_device_name(device)}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+        free_gib = free / 2**30
+        log(f"[torch] {torch.cuda.get_device_name(device)}: {free_gib:.1f} of {total / 2**30:.1f} GiB free")
     t0 = time.perf_counter()
     weights = random_weights(spec, device, seed=args.seed)
     if cuda:
@@ -1162,23 +1188,26 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
             torch.cuda.synchronize(device)
         first_s = time.perf_counter() - t0
         log(f"[torch {mode}] first step (compile + capture) in {first_s:.1f} s")
-        masked_ms, times, reset_ms = [], [], []
-        timer = _cuda_time_steps if cuda else _host_time_steps
+        masked_ms, times, host_ms, reset_ms = [], [], [], []
         for s in range(1, total):
             masked = engine.masked_now()
-            (dt,) = timer(engine, audio, 1)
+            dt, host = time_step(engine, audio)
             if s <= args.warmup:
                 if masked:
                     masked_ms.append(dt)
+            elif s in resets:
+                reset_ms.append(dt)
             else:
-                (reset_ms if s in resets else times).append(dt)
+                times.append(dt)
+                host_ms.append(host)
         finite = bool(torch.isfinite(engine.latent).all().item())
-        res = {"step_ms": percentiles(times), "reset_step_ms": reset_ms,
+        res = {"step_ms": percentiles(times), "host_step_ms": percentiles(host_ms), "reset_step_ms": reset_ms,
                "masked_warmup_step_ms": percentiles(masked_ms[1:]) if len(masked_ms) > 1 else {},
                "timed_steps_masked": engine.masked_now(), "first_step_s": first_s,
                "latent_finite": finite, "attention_backend": {("masked" if k else "unmasked"): v for k, v in engine.backend.items()},
                "attention_timings_ms": {("masked" if k else "unmasked"): v for k, v in engine.backend_timings.items()},
                "graphs": engine.graphs, "compiled": not args.no_compile and cuda,
+               "notes": engine.notes,
                "timing": "CUDA events around each step (graph replay), waited on per step" if cuda else "host time"}
         if args.profile_steps > 0:
             try:
@@ -1196,7 +1225,7 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
         if cuda:
             torch.cuda.empty_cache()
     del weights
-    return {"modes": results, "init_s": init_s, "torch": torch.__version__,
+    return {"modes": results, "init_s": init_s, "torch": torch.__version__, "free_gib_at_start": free_gib,
             "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
 
@@ -1260,43 +1289,63 @@ def _fmt(x, spec: str = ".2f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) else "-"
 
 
+def _label(mode: str) -> str:
+    return f"PyTorch, {mode} scales" if mode in SCALES else f"PyTorch, {mode} weights"
+
+
+def _breakdown_rows(columns: list[tuple[str, dict]]) -> list[str]:
+    """Markdown rows of component breakdowns ({"components_ms": {...}, ...} per column)."""
+    comps = []
+    for _, b in columns:
+        comps += [c for c in b.get("components_ms", {}) if c not in comps]
+    lines = ["| component (ms per step) | " + " | ".join(c for c, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    for comp in comps + ["other_ms", "kernel_ms"]:
+        cells = [_fmt(b.get("components_ms", {}).get(comp, b.get(comp))) for _, b in columns]
+        lines.append(f"| {comp.replace('_ms', '')} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_report(r: dict) -> str:
-    """The result as a markdown table: p50/p90, TFLOP/s, the ratio, the torch breakdown."""
+    """The result as markdown: p50/p90 of each step, effective TFLOP/s, the ratio, the
+    component breakdowns (PyTorch's; JAX's with --jax-profile) and the notes."""
     flops, tp = r["step_flops"], r["tp"]
-    jx = r.get("jax", {}).get("step_ms", {})
-    modes = r.get("torch", {}).get("modes", {})
-    label = lambda m: f"PyTorch, {m} scales" if m in SCALES else f"PyTorch, {m} weights"  # noqa: E731
-    cols = [("JAX (DiTGenerator defaults)", jx)] + [(label(m), v.get("step_ms", {})) for m, v in modes.items()]
+    jax_r, torch_r = r.get("jax", {}), r.get("torch", {})
+    jx = jax_r.get("step_ms", {})
+    modes = torch_r.get("modes", {})
+    cols = [("JAX (DiTGenerator defaults)", jx)] + [(_label(m), v.get("step_ms", {})) for m, v in modes.items()]
     lines = [f"### {r['config']}, tp={tp}: the step, JAX and PyTorch on the same GPU{'s' if tp > 1 else ''}", "",
-             f"`{r['command']}`  ", f"{r['device']}; jax {r.get('jax', {}).get('jax', '-')}, torch {r.get('torch', {}).get('torch', '-')}; "
-             f"{r['step_flops'] / 1e12:.1f} TFLOP a step; {r['timed_steps']} timed steps after {r['warmup']} warm-up", "",
+             f"`{r['command']}`  ",
+             f"{r['device']}; jax {jax_r.get('jax', '-')}, torch {torch_r.get('torch', '-')}; "
+             f"{flops / 1e12:.1f} TFLOP a step; {r['timed_steps']} timed steps after {r['warmup']} warm-up steps; "
+             f"a {r['prompt_tokens']}-token prompt", "",
              "| | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
 
-    def row(label, fn):
-        lines.append(f"| {label} | " + " | ".join(fn(p) for _, p in cols) + " |")
+    def row(name, fn):
+        lines.append(f"| {name} | " + " | ".join(fn(p) for _, p in cols) + " |")
 
     row("step p50 (ms)", lambda p: _fmt(p.get("p50")))
     row("step p90 (ms)", lambda p: _fmt(p.get("p90")))
     row("effective TFLOP/s per GPU", lambda p: _fmt(flops / (p["p50"] * 1e-3) / 1e12 / tp, ".0f") if p.get("p50") else "-")
-    row("PyTorch p50 / JAX p50", lambda p: _fmt(p["p50"] / jx["p50"], ".3f") if p.get("p50") and jx.get("p50") else "-")
-    if modes:
-        lines += ["", "PyTorch device time per step by component (torch.profiler, eager runs of the step's body):", "",
-                  "| component | " + " | ".join(f"{label(m)} (ms)" for m in modes) + " |", "|---|" + "---|" * len(modes)]
-        first = next(iter(modes.values())).get("breakdown", {})
-        for comp in list(first.get("components_ms", {})) + ["other_ms", "kernel_ms"]:
-            cells = []
-            for v in modes.values():
-                b = v.get("breakdown", {})
-                cells.append(_fmt(b.get("components_ms", {}).get(comp, b.get(comp))))
-            lines.append(f"| {comp.replace('_ms', '')} | " + " | ".join(cells) + " |")
-        lines.append("")
-        for m, v in modes.items():
-            mask = "masked" if v.get("timed_steps_masked") else "no mask (every slot valid: the best case for PyTorch)"
-            lines.append(f"- {label(m)}: attention {v.get('attention_backend')}, timed steps {mask}; "
-                         f"masked warm-up steps p50 {_fmt(v.get('masked_warmup_step_ms', {}).get('p50'))} ms; "
-                         f"graphs {v.get('graphs')}, compiled {v.get('compiled')}")
-    for note in r.get("notes", []):
-        lines.append(f"- {note}")
+    row("p50 / JAX p50", lambda p: _fmt(p["p50"] / jx["p50"], ".3f") if p.get("p50") and jx.get("p50") else "-")
+    host = [jx] + [v.get("host_step_ms", {}) for v in modes.values()]
+    lines.append("| host wall p50 (ms) | " + " | ".join(_fmt(h.get("p50")) for h in host) + " |")
+    breakdowns = [(_label(m), v["breakdown"]) for m, v in modes.items() if "components_ms" in v.get("breakdown", {})]
+    if "components_ms" in jax_r.get("breakdown", {}):
+        breakdowns.insert(0, ("JAX", jax_r["breakdown"]))
+    if breakdowns:
+        lines += ["", "Device time by component (PyTorch: torch.profiler over eager runs of the step's body, by "
+                  "scope; JAX: characters_jax.measure.profile):", ""] + _breakdown_rows(breakdowns)
+    lines.append("")
+    lines.append(f"- JAX: {jax_r.get('timing', '-')}; reset steps {jax_r.get('reset_step_ms') or 'none in the window'}")
+    for m, v in modes.items():
+        mask = ("with the slot mask" if v.get("timed_steps_masked")
+                else "without a mask (every slot valid: the best case for PyTorch; the JAX step masks)")
+        lines.append(f"- {_label(m)}: {v.get('timing')}; timed steps {mask}; SDPA backend {v.get('attention_backend')} "
+                     f"(timings ms {v.get('attention_timings_ms')}); masked warm-up steps p50 "
+                     f"{_fmt(v.get('masked_warmup_step_ms', {}).get('p50'))} ms; CUDA graphs {v.get('graphs')}, "
+                     f"Inductor {v.get('compiled')}; peak memory {_fmt(v.get('peak_memory_gib'))} GiB")
+        lines += [f"- {_label(m)}: {note}" for note in v.get("notes", [])]
+    lines += [f"- {note}" for note in r.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -1354,17 +1403,18 @@ def main(argv=None) -> int:
               "prompt_tokens": len(inputs.prompt), "notes": [],
               "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                       "XLA_PYTHON_CLIENT_ALLOCATOR", "NCCL_NVLS_ENABLE", "XLA_FLAGS")}}
+    failed = []
     if args.side in ("both", "jax"):
         log(f"[jax] {cfg.name} at tp={args.tp}")
-        result["jax"] = run_jax_side(cfg, inputs, args, log)
+        result["jax"] = _guarded("jax", failed, log, run_jax_side, cfg, inputs, args, log)
         free_jax(log)
     if args.side in ("both", "torch"):
         log(f"[torch] {cfg.name} at tp={args.tp}")
         if args.tp == 1:
-            result["torch"] = run_torch_side(cfg, inputs, args, log)
+            result["torch"] = _guarded("torch", failed, log, run_torch_side, cfg, inputs, args, log)
         else:
             payload = {"cfg": cfg, "inputs": inputs, "args": vars(args), "cpu": args.cpu}
-            result["torch"] = run_ranks(args.tp, "bench", payload)
+            result["torch"] = _guarded("torch", failed, log, run_ranks, args.tp, "bench", payload)
     result["device"] = result.get("torch", {}).get("device") or ", ".join(result.get("jax", {}).get("devices", [])) or "-"
     jx = result.get("jax", {}).get("step_ms", {})
     for mode, v in result.get("torch", {}).get("modes", {}).items():
@@ -1387,7 +1437,26 @@ def main(argv=None) -> int:
     print(f"wrote {out / stem}.json and .md")
     finite = [result.get("jax", {}).get("latent_finite", True)] + [
         v.get("latent_finite", True) for v in result.get("torch", {}).get("modes", {}).values()]
-    return 0 if all(finite) else 1
+    for side in failed:
+        err(f"the {side} side failed: {result[side]['error']}")
+    return 0 if all(finite) and not failed else 1
+
+
+def _guarded(side: str, failed: list, log, fn, *args) -> dict:
+    """fn(*args), or {"error": ...} with the traceback logged (the other side's results and
+    the files are still written; out of memory on the torch side says what to try)."""
+    import traceback
+
+    try:
+        return fn(*args)
+    except Exception as e:  # reported in the JSON and on stderr; main returns 1
+        log(traceback.format_exc())
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if side == "torch" and "out of memory" in str(e).lower():
+            msg += (" (if JAX's memory did not return to the driver, run --side jax and --side torch in two "
+                    "processes)")
+        failed.append(side)
+        return {"error": msg}
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def test_the_benchmark_command_on_tiny(tmp_path):
     assert mode["torch_over_jax_p50"] == pytest.approx(mode["step_ms"]["p50"] / r["jax"]["step_ms"]["p50"])
     assert r["step_flops"] == ts.step_flops(load_config("tiny"))
     assert set(mode["breakdown"]["components_ms"]) == set(ts.COMPONENTS)
-    assert "PyTorch p50 / JAX p50" in (out / "torch_step_tiny_tp1.md").read_text()
+    table = (out / "torch_step_tiny_tp1.md").read_text()
+    assert f"| p50 / JAX p50 | 1.000 | {mode['torch_over_jax_p50']:.3f} |" in table
 
 
 # ---- GPU ------------------------------------------------------------------------------------
