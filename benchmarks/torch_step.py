@@ -309,14 +309,17 @@ def quantize_fp8(x, per_row: bool):
     return (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def fp8_linear(x8, x_scale, w8, w_scale, out_dtype, emulate: bool):
+def fp8_linear(x8, x_scale, w8, w_scale, out_dtype, emulate: bool, fast_accum: bool = True):
     """x8 [M, K] e4m3 (scale [] or [M, 1]) times w8 [N, K] e4m3 (scale [] or [1, N]) -> [M, N].
 
-    CUDA: one ``torch._scaled_mm`` (the weight consumed as stored: w8.t() is column-major).
+    CUDA: one ``torch._scaled_mm`` (the weight consumed as stored: w8.t() is column-major);
+    fast_accum: Hopper's FP8 accumulation without the periodic promotion to float32 (what
+    torchao's Float8Linear runs in the forward: the faster cuBLASLt/CUTLASS kernels).
     emulate (CPU): the same product from the e4m3 values in float32, scaled afterwards."""
     if emulate:
         return ((x8.float() @ w8.float().t()) * x_scale * w_scale).to(out_dtype)
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
+    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 # ==========================================================================================
@@ -645,11 +648,12 @@ class TorchStep:
     compile / graphs: Inductor for the elementwise work, the step as CUDA graphs (CUDA only);
     mask: 'when-needed' (no mask once every slot is valid) | 'always';
     attention: SDPA backend, 'auto' (the fastest, timed at capture) or a name of
-    ``SDPA_BACKENDS``; group: the torch.distributed group of the tp ranks (tp > 1)."""
+    ``SDPA_BACKENDS``; fast_accum: ``torch._scaled_mm``'s use_fast_accum (``fp8_linear``);
+    group: the torch.distributed group of the tp ranks (tp > 1)."""
 
     def __init__(self, spec: StepSpec, weights: Weights, device, *, act_scale: str = "row",
                  compile: bool = True, graphs: bool = True, mask: str = "when-needed",
-                 attention: str = "auto", group=None):
+                 attention: str = "auto", fast_accum: bool = True, group=None):
         check_weights(weights, spec)
         if mask not in ("when-needed", "always"):
             raise ValueError(f"mask must be 'when-needed' or 'always', got {mask!r}")
@@ -664,7 +668,7 @@ class TorchStep:
         if self.fp8 and self.cuda and spec.dtype != "bfloat16":
             raise ValueError("FP8 GEMMs through torch._scaled_mm write bf16: the config's model.dtype must be bfloat16")
         self.act_scale = act_scale if self.fp8 else None
-        self.mask_mode, self.attention = mask, attention
+        self.mask_mode, self.attention, self.fast_accum = mask, attention, fast_accum
         self.graphs = graphs and self.cuda
         dt = spec.act_dtype
         self.cache_dtype = dt
@@ -833,7 +837,8 @@ class TorchStep:
     def _linear(self, x, x_scale, name: str, layer: int):
         w = self.weights.block(name)[layer]
         if self.fp8:
-            return fp8_linear(x, x_scale, w, self.w_scale[name][layer], self.spec.act_dtype, emulate=not self.cuda)
+            return fp8_linear(x, x_scale, w, self.w_scale[name][layer], self.spec.act_dtype, emulate=not self.cuda,
+                              fast_accum=self.fast_accum)
         return F.linear(x, w.to(x.dtype))
 
     def _time_embedding(self, features):
@@ -1152,10 +1157,10 @@ def time_step(engine: TorchStep, audio) -> tuple[float, float]:
     return start.elapsed_time(end), (time.perf_counter() - t0) * 1e3
 
 
-def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=None) -> dict:
+def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=None, on_mode=None) -> dict:
     """The torch step on this rank's device: random weights made there, then per activation
     scale mode a session, warm-up (graph capture, the masked variant while the ring fills),
-    timed steps and the profile breakdown."""
+    timed steps and the profile breakdown. on_mode(result so far) after each mode."""
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
     spec = StepSpec.from_config(cfg, tp=args.tp, rank=rank)
@@ -1178,9 +1183,12 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     total = 1 + args.warmup + args.steps
     resets = reset_steps(total, cfg.cache.ring_frames, cfg.cache.reset_period)
     results = {}
+    out = {"modes": results, "init_s": init_s, "torch": torch.__version__, "free_gib_at_start": free_gib,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     for mode in modes:
         engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row", compile=not args.no_compile,
-                           graphs=not args.no_graphs, mask=args.mask, attention=args.attention, group=group)
+                           graphs=not args.no_graphs, mask=args.mask, attention=args.attention,
+                           fast_accum=not args.no_fast_accum, group=group)
         engine.start_session(inputs.image, inputs.prompt, seed=args.seed)
         t0 = time.perf_counter()
         engine.step(audio)
@@ -1207,6 +1215,7 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
                "latent_finite": finite, "attention_backend": {("masked" if k else "unmasked"): v for k, v in engine.backend.items()},
                "attention_timings_ms": {("masked" if k else "unmasked"): v for k, v in engine.backend_timings.items()},
                "graphs": engine.graphs, "compiled": not args.no_compile and cuda,
+               "fast_accum": engine.fast_accum and engine.fp8 and cuda,
                "notes": engine.notes,
                "timing": "CUDA events around each step (graph replay), waited on per step" if cuda else "host time"}
         if args.profile_steps > 0:
@@ -1224,9 +1233,10 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+        if on_mode is not None:
+            on_mode(out)
     del weights
-    return {"modes": results, "init_s": init_s, "torch": torch.__version__, "free_gib_at_start": free_gib,
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    return out
 
 
 def _free_port() -> int:
@@ -1336,14 +1346,18 @@ def markdown_report(r: dict) -> str:
         lines += ["", "Device time by component (PyTorch: torch.profiler over eager runs of the step's body, by "
                   "scope; JAX: characters_jax.measure.profile):", ""] + _breakdown_rows(breakdowns)
     lines.append("")
-    lines.append(f"- JAX: {jax_r.get('timing', '-')}; reset steps {jax_r.get('reset_step_ms') or 'none in the window'}")
+    if jax_r:
+        lines.append(f"- JAX: {jax_r.get('timing', jax_r.get('error'))}; reset steps "
+                     f"{jax_r.get('reset_step_ms') or 'none in the window'}")
+    if "error" in torch_r:
+        lines.append(f"- PyTorch: {torch_r['error']}")
     for m, v in modes.items():
         mask = ("with the slot mask" if v.get("timed_steps_masked")
                 else "without a mask (every slot valid: the best case for PyTorch; the JAX step masks)")
         lines.append(f"- {_label(m)}: {v.get('timing')}; timed steps {mask}; SDPA backend {v.get('attention_backend')} "
                      f"(timings ms {v.get('attention_timings_ms')}); masked warm-up steps p50 "
                      f"{_fmt(v.get('masked_warmup_step_ms', {}).get('p50'))} ms; CUDA graphs {v.get('graphs')}, "
-                     f"Inductor {v.get('compiled')}; peak memory {_fmt(v.get('peak_memory_gib'))} GiB")
+                     f"Inductor {v.get('compiled')}; fast accumulation {v.get('fast_accum')}; peak memory {_fmt(v.get('peak_memory_gib'))} GiB")
         lines += [f"- {_label(m)}: {note}" for note in v.get("notes", [])]
     lines += [f"- {note}" for note in r.get("notes", [])]
     return "\n".join(lines) + "\n"
@@ -1363,6 +1377,7 @@ def parse_args(argv):
     p.add_argument("--attention", choices=("auto",) + tuple(SDPA_BACKENDS), default="auto", help="PyTorch SDPA backend (auto: the fastest measured)")
     p.add_argument("--no-compile", action="store_true", help="PyTorch: eager elementwise work")
     p.add_argument("--no-graphs", action="store_true", help="PyTorch: no CUDA graph (eager step)")
+    p.add_argument("--no-fast-accum", action="store_true", help="PyTorch: _scaled_mm with use_fast_accum=False")
     p.add_argument("--profile-steps", type=int, default=2, help="PyTorch profile breakdown over N runs of the step (0: none)")
     p.add_argument("--jax-profile", default=None, metavar="DIR", help="also trace 2 JAX steps into DIR for its breakdown")
     p.add_argument("--cpu", action="store_true", help="PyTorch on the CPU (smoke runs of small configs)")
@@ -1400,46 +1415,65 @@ def main(argv=None) -> int:
     command = "python benchmarks/torch_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"config": cfg.name, "tp": args.tp, "share": args.share, "command": command,
               "step_flops": step_flops(cfg), "timed_steps": args.steps, "warmup": args.warmup,
-              "prompt_tokens": len(inputs.prompt), "notes": [],
+              "prompt_tokens": len(inputs.prompt),
+              "notes": ["JAX first (then its arrays and backends freed), PyTorch after it in the same process "
+                        f"(XLA_PYTHON_CLIENT_PREALLOCATE={os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')})"]
+              if args.side == "both" else [],
               "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                       "XLA_PYTHON_CLIENT_ALLOCATOR", "NCCL_NVLS_ENABLE", "XLA_FLAGS")}}
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"torch_step_{cfg.name}_tp{args.tp}"
+
+    def save(final: bool = False) -> None:
+        """Writes the JSON and markdown as they stand (after each side and mode: a run cut
+        short keeps what it measured)."""
+        finish(result, args.tp)
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str))
+        table = markdown_report(result)
+        (out / f"{stem}.md").write_text(table)
+        if final:
+            print(table)
+            print(f"wrote {out / stem}.json and .md")
+
     failed = []
     if args.side in ("both", "jax"):
         log(f"[jax] {cfg.name} at tp={args.tp}")
         result["jax"] = _guarded("jax", failed, log, run_jax_side, cfg, inputs, args, log)
         free_jax(log)
+        save()
     if args.side in ("both", "torch"):
         log(f"[torch] {cfg.name} at tp={args.tp}")
+
+        def partial(torch_result):
+            result["torch"] = torch_result
+            save()
+
         if args.tp == 1:
-            result["torch"] = _guarded("torch", failed, log, run_torch_side, cfg, inputs, args, log)
+            result["torch"] = _guarded("torch", failed, log, run_torch_side, cfg, inputs, args, log, 0, None, partial)
         else:
             payload = {"cfg": cfg, "inputs": inputs, "args": vars(args), "cpu": args.cpu}
             result["torch"] = _guarded("torch", failed, log, run_ranks, args.tp, "bench", payload)
-    result["device"] = result.get("torch", {}).get("device") or ", ".join(result.get("jax", {}).get("devices", [])) or "-"
-    jx = result.get("jax", {}).get("step_ms", {})
-    for mode, v in result.get("torch", {}).get("modes", {}).items():
-        p = v.get("step_ms", {})
-        if p.get("p50"):
-            v["effective_tflops_per_gpu"] = result["step_flops"] / (p["p50"] * 1e-3) / 1e12 / args.tp
-        if p.get("p50") and jx.get("p50"):
-            v["torch_over_jax_p50"] = p["p50"] / jx["p50"]
-    if jx.get("p50"):
-        result["jax"]["effective_tflops_per_gpu"] = result["step_flops"] / (jx["p50"] * 1e-3) / 1e12 / args.tp
-    result["notes"].append("JAX first (then its arrays and backends freed), PyTorch after it in the same process "
-                           f"(XLA_PYTHON_CLIENT_PREALLOCATE={os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')})")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"torch_step_{cfg.name}_tp{args.tp}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str))
-    table = markdown_report(result)
-    (out / f"{stem}.md").write_text(table)
-    print(table)
-    print(f"wrote {out / stem}.json and .md")
+    save(final=True)
     finite = [result.get("jax", {}).get("latent_finite", True)] + [
         v.get("latent_finite", True) for v in result.get("torch", {}).get("modes", {}).values()]
     for side in failed:
         err(f"the {side} side failed: {result[side]['error']}")
     return 0 if all(finite) and not failed else 1
+
+
+def finish(result: dict, tp: int) -> None:
+    """Adds the derived figures: device, effective TFLOP/s per GPU, PyTorch p50 / JAX p50."""
+    result["device"] = result.get("torch", {}).get("device") or ", ".join(result.get("jax", {}).get("devices", [])) or "-"
+    jx = result.get("jax", {}).get("step_ms", {})
+    for v in result.get("torch", {}).get("modes", {}).values():
+        p = v.get("step_ms", {})
+        if p.get("p50"):
+            v["effective_tflops_per_gpu"] = result["step_flops"] / (p["p50"] * 1e-3) / 1e12 / tp
+        if p.get("p50") and jx.get("p50"):
+            v["torch_over_jax_p50"] = p["p50"] / jx["p50"]
+    if jx.get("p50"):
+        result["jax"]["effective_tflops_per_gpu"] = result["step_flops"] / (jx["p50"] * 1e-3) / 1e12 / tp
 
 
 def _guarded(side: str, failed: list, log, fn, *args) -> dict:
