@@ -1,4 +1,5 @@
-"""Causal VAE: chunk-by-chunk decoding with carried state equals whole-sequence decoding."""
+"""Causal VAE: chunk-by-chunk decoding with carried state equals whole-sequence decoding;
+the video encoder's chunks are independent; a still image is a chunk of identical frames."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ from flax import nnx
 
 from characters_jax.config import ConfigError, load_config
 from characters_jax.decoder.runtime import VaeRuntime, init_module
-from characters_jax.decoder.vae import ImageEncoder, VideoDecoder
+from characters_jax.decoder.vae import VideoDecoder, VideoEncoder
 
 
 def _decoder(cfg):
@@ -66,8 +67,10 @@ def test_decoder_layout_of_the_paper_shape():
     v = cfg.video
     out = jax.eval_shape(lambda s, z: nnx.merge(g, s)(z)[0], st, jax.ShapeDtypeStruct((1, v.grid_h, v.grid_w, 128), jnp.float32))
     assert out.shape == (4, 704, 1088, 3)
-    g, st = nnx.split(nnx.eval_shape(lambda: ImageEncoder(cfg, rngs=nnx.Rngs(0))))
-    lat = jax.eval_shape(lambda s, x: nnx.merge(g, s)(x), st, jax.ShapeDtypeStruct((704, 1088, 3), jnp.float32))
+    g, st = nnx.split(nnx.eval_shape(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0))))
+    lat = jax.eval_shape(lambda s, x: nnx.merge(g, s)(x), st, jax.ShapeDtypeStruct((8, 704, 1088, 3), jnp.float32))
+    assert lat.shape == (2, 22, 34, 128)
+    lat = jax.eval_shape(lambda s, x: nnx.merge(g, s).encode_image(x), st, jax.ShapeDtypeStruct((704, 1088, 3), jnp.float32))
     assert lat.shape == (22, 34, 128)
 
 
@@ -75,3 +78,25 @@ def test_bad_decoder_config_names_the_field():
     cfg = load_config("tiny")
     with pytest.raises(ConfigError, match="decoder.channels"):
         VideoDecoder(cfg.replace(decoder={"channels": (16, 8)}), rngs=nnx.Rngs(0))
+
+
+def _encoder(cfg, seed=3):
+    g, params = init_module(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0)), seed)
+    return jax.jit(lambda x: nnx.merge(g, params)(x)), jax.jit(lambda x: nnx.merge(g, params).encode_image(x))
+
+
+def test_encoder_chunks_are_causal_and_a_still_is_a_chunk():
+    cfg = load_config("tiny")
+    v = cfg.video
+    enc, enc_image = _encoder(cfg)
+    video = jax.random.uniform(jax.random.key(4), (3 * v.frames_per_step, v.height, v.width, 3), minval=-1, maxval=1)
+    z = enc(video)
+    assert z.shape == (3, v.grid_h, v.grid_w, cfg.model.latent_channels) and z.dtype == jnp.float32
+    f = v.frames_per_step
+    changed = enc(video.at[f:].set(0.0))  # later chunks change: the first latent does not
+    np.testing.assert_allclose(np.asarray(changed[0]), np.asarray(z[0]), atol=1e-6)
+    assert not np.allclose(np.asarray(changed[1]), np.asarray(z[1]))
+    one = enc(video[f : 2 * f])  # a chunk alone encodes as it does in the sequence
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(z[1]), atol=1e-5)
+    still = jnp.broadcast_to(video[5], (f,) + video.shape[1:])
+    np.testing.assert_allclose(np.asarray(enc_image(video[5])), np.asarray(enc(still)[0]), atol=1e-6)

@@ -3,6 +3,11 @@
 `VaeRuntime.decode(state, latent)` takes one latent frame [grid_h, grid_w, latent_channels]
 float32 and the session's temporal state, and returns frames [frames_per_step, H, W, 3]
 uint8 and the new state (donated: decoded in place). One program per config.
+
+Weights: trained ones from a weights directory (`checkpoint=`, see `weights`; latents are
+then in the generator's normalised space: (z - mean) / std per channel, with the stored
+statistics), or random ones drawn from `seed` (the default; the reference image's latent
+is then scaled to unit RMS per channel).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from characters_jax.config import Config
-from characters_jax.decoder.vae import ImageEncoder, VideoDecoder
+from characters_jax.decoder.vae import VideoDecoder, VideoEncoder
+from characters_jax.decoder.weights import LatentStats, abstract_tree, open_weights
 
 
 def to_uint8(video: jax.Array) -> jax.Array:
@@ -39,21 +45,58 @@ def init_module(make, seed: int):
     return graphdef, jax.tree_util.tree_map_with_path(draw, abstract)
 
 
+def unit_rms(z: jax.Array) -> jax.Array:
+    """[gh, gw, C] scaled to unit RMS per channel (random-weight latents)."""
+    return z * jax.lax.rsqrt(jnp.mean(z * z, axis=(0, 1), keepdims=True) + 1e-6)
+
+
+def vae_modules(cfg: Config):
+    """(decoder graphdef, abstract params, encoder graphdef, abstract params)."""
+    dec_def, dec = nnx.split(nnx.eval_shape(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0))))
+    enc_def, enc = nnx.split(nnx.eval_shape(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0))))
+    return dec_def, dec, enc_def, enc
+
+
+def load_vae(checkpoint, cfg: Config):
+    """(decoder params, encoder params, LatentStats) from a weights directory, checked
+    against cfg (`weights.WeightsError` names what differs)."""
+    w = open_weights(checkpoint, cfg)
+    _, dec, _, enc = vae_modules(cfg)
+    target = {"decoder": abstract_tree(nnx.to_pure_dict(dec)), "encoder": abstract_tree(nnx.to_pure_dict(enc))}
+    restored = w.restore("vae", target)
+    params = []
+    for name, abstract in (("decoder", dec), ("encoder", enc)):
+        state = jax.tree.map(lambda x: x, abstract)
+        nnx.replace_by_pure_dict(state, restored[name])
+        params.append(state)
+    return params[0], params[1], w.stats
+
+
 class VaeRuntime:
-    def __init__(self, cfg: Config, seed: int = 0):
+    def __init__(self, cfg: Config, seed: int = 0, checkpoint=None):
+        """checkpoint: a weights directory (trained VAE), or None: random weights from seed."""
         self.config = cfg
-        dec_def, self._dec_params = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
-        enc_def, self._enc_params = init_module(lambda: ImageEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
+        if checkpoint:
+            dec_def, _, enc_def, _ = vae_modules(cfg)
+            self._dec_params, self._enc_params, stats = load_vae(checkpoint, cfg)
+        else:
+            dec_def, self._dec_params = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
+            enc_def, self._enc_params = init_module(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
+            stats = None
+        self.stats: LatentStats | None = stats
         v, m = cfg.video, cfg.model
         self.latent_shape = (v.grid_h, v.grid_w, m.latent_channels)
 
         def _decode(params, state, z):
+            if stats is not None:
+                z = stats.denormalise(z)
             out, new = nnx.merge(dec_def, params)(z[None], state)
             return to_uint8(out), new
 
         def _encode(params, rgb):
             x = rgb.astype(jnp.float32) / 127.5 - 1.0
-            return nnx.merge(enc_def, params)(x)
+            z = nnx.merge(enc_def, params).encode_image(x)
+            return unit_rms(z) if stats is None else stats.normalise(z)
 
         self._decode = jax.jit(_decode, donate_argnums=(1,))
         self._encode = jax.jit(_encode)

@@ -1,4 +1,4 @@
-"""Causal 3-D-conv VAE decoder and its matching image encoder (Flax NNX).
+"""Causal 3-D-conv VAE decoder and its matching video encoder (Flax NNX).
 
 Layout (LTX-Video's decoder, time upsampling set to the config's frames_per_step):
   conv-in latent_channels -> channels[0]
@@ -145,36 +145,61 @@ class VideoDecoder(nnx.Module):
         return jnp.clip(x.astype(jnp.float32), -1.0, 1.0), new
 
 
-class ImageEncoder(nnx.Module):
-    """The decoder's mirror for one still image: rgb [H, W, 3] in [-1, 1] -> latent [grid_h, grid_w, latent_channels].
+class VideoEncoder(nnx.Module):
+    """The decoder's mirror: video [T, H, W, 3] in [-1, 1] (T a multiple of frames_per_step)
+    -> latent [T / frames_per_step, grid_h, grid_w, latent_channels] float32 (raw: not
+    normalised; `LatentStats` maps it to the generator's space).
 
-    patchify by `unpatchify` -> conv-in to channels[-1] -> residual stages from the image
-    side with space-to-depth downsampling between them -> conv-out to latent_channels,
-    normalised to unit RMS per channel. A still image is one frame with an empty history.
+    Each chunk of frames_per_step frames is encoded on its own (causal: latent n depends on
+    frames 4n .. 4n + 3 only, its convs start from an empty history): patchify by
+    `unpatchify` -> conv-in to channels[-1] -> residual stages from the image side with
+    space-to-depth downsampling between them (2x in space; 2x in time at the downsamplers
+    that mirror the decoder's time upsamplers) -> conv-out to latent_channels.
+    A still image (the reference) is a chunk of identical frames (`encode_image`).
     """
 
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        _, self.unpatchify = _plan(cfg)
+        t_factors, self.unpatchify = _plan(cfg)
         d, dt = cfg.decoder, _dtype(cfg)
         ch = list(reversed(d.channels))
+        self.frames = cfg.video.frames_per_step
+        self.t_factors = tuple(reversed(t_factors))  # per downsampler, from the image side
         self.conv_in = CausalConv3d(d.out_channels, ch[0], dtype=dt, rngs=rngs)
         self.stages = nnx.List([nnx.List([ResBlock(c, dtype=dt, rngs=rngs) for _ in range(d.blocks_per_stage)]) for c in ch])
-        self.downs = nnx.List([CausalConv3d(ch[i] * 4, ch[i + 1], dtype=dt, rngs=rngs) for i in range(len(ch) - 1)])
+        self.downs = nnx.List([CausalConv3d(ch[i] * 4 * self.t_factors[i], ch[i + 1], dtype=dt, rngs=rngs)
+                               for i in range(len(ch) - 1)])
         self.conv_out = CausalConv3d(ch[-1], cfg.model.latent_channels, dtype=dt, rngs=rngs)
         self.dtype = dt
 
-    def __call__(self, rgb):
+    def encode_chunk(self, video):
+        """video [frames_per_step, H, W, 3] -> [1, grid_h, grid_w, latent_channels] float32."""
         u = self.unpatchify
-        h, w, _ = rgb.shape
-        x = rgb.astype(self.dtype).reshape(h // u, u, w // u, u, 3).transpose(0, 2, 1, 3, 4).reshape(1, h // u, w // u, 3 * u * u)
-        x, _ = self.conv_in(x, None)
+        t, h, w, _ = video.shape
+        x = video.astype(self.dtype).reshape(t, h // u, u, w // u, u, 3).transpose(0, 1, 3, 2, 4, 5)
+        x, _ = self.conv_in(x.reshape(t, h // u, w // u, 3 * u * u), None)
         for i, blocks in enumerate(self.stages):
             for blk in blocks:
                 x, _ = blk(x, [None, None])
             if i < len(self.downs):
+                st = self.t_factors[i]
                 t, hh, ww, c = x.shape
-                x = x.reshape(t, hh // 2, 2, ww // 2, 2, c).transpose(0, 1, 3, 2, 4, 5).reshape(t, hh // 2, ww // 2, 4 * c)
-                x, _ = self.downs[i](x, None)
+                x = x.reshape(t // st, st, hh // 2, 2, ww // 2, 2, c).transpose(0, 2, 4, 1, 3, 5, 6)
+                x, _ = self.downs[i](x.reshape(t // st, hh // 2, ww // 2, st * 4 * c), None)
         x, _ = self.conv_out(jax.nn.silu(pixel_norm(x)), None)
-        x = x[0].astype(jnp.float32)
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=(0, 1), keepdims=True) + 1e-6)
+        return x.astype(jnp.float32)
+
+    def __call__(self, video):
+        f = self.frames
+        t = video.shape[0]
+        if t % f:
+            raise ValueError(f"the encoder takes whole chunks of {f} frames, got {t}")
+        chunks = video.reshape(t // f, f, *video.shape[1:])
+        return jax.vmap(self.encode_chunk)(chunks)[:, 0]
+
+    def encode_image(self, rgb):
+        """rgb [H, W, 3] in [-1, 1] -> [grid_h, grid_w, latent_channels]: a still chunk."""
+        return self.encode_chunk(jnp.broadcast_to(rgb[None], (self.frames,) + rgb.shape))[0]
+
+
+# The serving side sizes the encoder's memory by this name; it is the same module.
+ImageEncoder = VideoEncoder
