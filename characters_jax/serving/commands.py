@@ -1,4 +1,4 @@
-"""CLI sub-commands of the service: serve, decode-serve, talk, demo."""
+"""CLI sub-commands of the service: serve, decode-serve, talk, demo, view."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def _demo(args) -> int:
     from characters_jax.serving.demo import demo_command
 
     return demo_command(args)
+
+
+def _view(args) -> int:
+    from characters_jax.serving.view import view_command
+
+    return view_command(args)
 
 
 def register(subparsers) -> None:
@@ -87,3 +93,17 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", default="a friendly character, talking")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.set_defaults(func=_demo)
+
+    p = subparsers.add_parser("view", help="the character live in a web page (WebRTC, loopback only)")
+    p.add_argument("--server", default=None, help="a running worker (host:port); default: start one for --config")
+    p.add_argument("--config", default="small", help="config of the worker started when --server is not given")
+    p.add_argument("--checkpoint", default=None, help="weights of the started worker (random weights if absent)")
+    p.add_argument("--port", type=int, default=8080, help="the page's port on 127.0.0.1 (0: any free port)")
+    p.add_argument("--image", default=None, help="default reference image (the page can upload another)")
+    p.add_argument("--prompt", default="a friendly character, talking")
+    p.add_argument("--prebuffer-chunks", type=int, default=2, help="chunks buffered before playback starts")
+    p.add_argument("--out", default="out", help="where the started worker's log goes")
+    p.add_argument("--state-file", default=None, help="JSON file: the page's URL and port, the worker's state")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_view)
