@@ -13,8 +13,9 @@ that runs it next to the JAX step (``DiTGenerator`` with its defaults) in one pr
   attention-out and MLP-down GEMMs summed and reduced by ONE all-reduce (tp > 1), and the
   gated residual.
 * FP8: block projections stored (N, K) as e4m3 with a per-tensor dequantization scale,
-  run through ``torch._scaled_mm`` (cuBLASLt) with dynamic activation scales, per tensor
-  or per row (``--scales``); embeddings, the adaLN MLP and the head in bf16.
+  run through ``torch._scaled_mm`` (cuBLASLt; CUTLASS for row-wise scales) with fast
+  accumulation and dynamic activation scales, per tensor or per row (``--scales``);
+  embeddings, the adaLN MLP and the head in bf16.
 * Attention: ``F.scaled_dot_product_attention`` on a bf16 cache laid out [L, H, S, D]
   (each layer's K/V a contiguous [1, H, S, D] operand), with the backend that measured
   fastest on the step's own shapes (cuDNN / flash / memory-efficient, picked at capture).
@@ -585,8 +586,13 @@ def inductor(fn):
     Inductor CUDA graphs (the step is captured as one graph by TorchStep), and the
     roundings to bf16 between float32 steps kept where the model has them (Inductor's
     emulate_precision_casts; without it a fused kernel keeps such values in float32)."""
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
+    # Every TorchStep's functions share their code objects, one compiled entry per config,
+    # quantization and operand layout: more than Dynamo's default 8 in one process of tests.
+    limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 64))
     options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else None
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
@@ -645,14 +651,15 @@ class TorchStep:
     and ``step`` (on CUDA with graphs: one CUDA graph replay).
 
     act_scale: 'row' | 'tensor', how FP8 activations are scaled (FP8 weights only);
-    compile / graphs: Inductor for the elementwise work, the step as CUDA graphs (CUDA only);
+    compile: Inductor for the elementwise work (None: on CUDA only; True: on the CPU too);
+    graphs: the step as CUDA graphs (CUDA only);
     mask: 'when-needed' (no mask once every slot is valid) | 'always';
     attention: SDPA backend, 'auto' (the fastest, timed at capture) or a name of
     ``SDPA_BACKENDS``; fast_accum: ``torch._scaled_mm``'s use_fast_accum (``fp8_linear``);
     group: the torch.distributed group of the tp ranks (tp > 1)."""
 
     def __init__(self, spec: StepSpec, weights: Weights, device, *, act_scale: str = "row",
-                 compile: bool = True, graphs: bool = True, mask: str = "when-needed",
+                 compile: bool | None = None, graphs: bool = True, mask: str = "when-needed",
                  attention: str = "auto", fast_accum: bool = True, group=None):
         check_weights(weights, spec)
         if mask not in ("when-needed", "always"):
@@ -697,7 +704,8 @@ class TorchStep:
                 n = weights.block(name).shape[1]
                 s = s[:, None, None].expand(L, 1, n).contiguous()
             self.w_scale[name] = s
-        compiler = inductor if (compile and self.cuda) else None
+        compiler = inductor if (compile or (compile is None and self.cuda)) else None
+        self.compiled = compiler is not None
         self.ops = make_ops(spec, self.act_scale, self.cache_dtype, compiler)
         self.eager_ops = make_ops(spec, self.act_scale, self.cache_dtype) if compiler else self.ops
         self.backend = {}  # masked -> SDPA backend name
@@ -1186,7 +1194,8 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     out = {"modes": results, "init_s": init_s, "torch": torch.__version__, "free_gib_at_start": free_gib,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     for mode in modes:
-        engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row", compile=not args.no_compile,
+        engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row",
+                           compile=False if args.no_compile else None,
                            graphs=not args.no_graphs, mask=args.mask, attention=args.attention,
                            fast_accum=not args.no_fast_accum, group=group)
         engine.start_session(inputs.image, inputs.prompt, seed=args.seed)
@@ -1214,7 +1223,7 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
                "timed_steps_masked": engine.masked_now(), "first_step_s": first_s,
                "latent_finite": finite, "attention_backend": {("masked" if k else "unmasked"): v for k, v in engine.backend.items()},
                "attention_timings_ms": {("masked" if k else "unmasked"): v for k, v in engine.backend_timings.items()},
-               "graphs": engine.graphs, "compiled": not args.no_compile and cuda,
+               "graphs": engine.graphs, "compiled": engine.compiled,
                "fast_accum": engine.fast_accum and engine.fp8 and cuda,
                "notes": engine.notes,
                "timing": "CUDA events around each step (graph replay), waited on per step" if cuda else "host time"}

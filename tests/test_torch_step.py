@@ -15,6 +15,7 @@ noise: the noise is shared, so the latent's own error is diluted by it). Seed 3 
 
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -85,6 +86,27 @@ def test_fp8_step_matches_jax_fp8_and_a_float_reference():
     for mode, errs in vs_f32.items():
         assert max(errs) < FP8_TOL, (mode, errs)
         assert min(errs) > 1e-3, (mode, errs)  # the GEMMs' inputs were quantized: not the float path
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler (g++)")
+def test_compiled_elementwise_work_equals_eager():
+    """Inductor's kernels (C++ on the CPU here; Triton on the GPU, where the GPU tests run
+    them with tensor scales too) for every elementwise function of the step, FP8 activations
+    with row scales, the mask dropped at step 5: the same latents as the eager functions
+    (the bf16 roundings kept: emulate_precision_casts)."""
+    cfg = _fp8_config("tiny", "row")
+    steps = 6
+    spec = ts.StepSpec.from_config(cfg)
+    weights = ts.random_weights(spec, torch.device("cpu"), seed=SEED)
+    inputs = ts.session_inputs(cfg, steps, SEED)
+    noise = np.random.default_rng(SEED).standard_normal((steps, spec.tokens_img, spec.latent_channels)).astype(np.float32)
+    runs = {}
+    for compile in (False, True):
+        engine = ts.TorchStep(spec, weights, "cpu", act_scale="row", compile=compile)
+        assert engine.compiled == compile
+        runs[compile] = ts.torch_session(engine, inputs, SEED, steps, noise)
+    errs = [e[0] for e in _errors(runs[True], runs[False], noise)]
+    assert max(errs) < 1e-6, errs
 
 
 def test_two_ranks_equal_one():
