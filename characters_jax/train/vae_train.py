@@ -1,0 +1,158 @@
+"""VAE training: the config's video encoder and causal decoder on rendered faces.
+
+A sample is `chunks` latent frames' worth of video (4 frames each) from `faces.FaceSampler`
+rendered on the device; the encoder maps each chunk to a latent frame, noise is added to the
+latents (a random fraction `latent_noise` of their RMS: the decoder learns to draw what
+an imperfect generator gives it), and the decoder, from an empty temporal history as at
+the start of a session, redraws the frames. Loss: per pixel |d| + d^2 (RGB in [-1, 1]),
+weighted 1 + mouth_weight inside the mouth box (`geometry.mouth_mask`), plus latent_l2 times
+the latents' mean square.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from characters_jax.config import Config
+from characters_jax.decoder.runtime import init_module
+from characters_jax.decoder.vae import VideoDecoder, VideoEncoder
+from characters_jax.train.faces import FaceSampler, render_video
+from characters_jax.train.geometry import mouth_mask
+from characters_jax.train.loop import LoopSettings, run_stage
+from characters_jax.train.optim import OptimSettings, TrainState, apply_gradients, init_state, make_optimizer
+from characters_jax.train.state_io import StageStore
+
+
+@dataclasses.dataclass(frozen=True)
+class VaeSettings:
+    batch: int = 16
+    chunks: int = 3
+    mouth_weight: float = 8.0
+    latent_l2: float = 1e-4
+    latent_noise: float = 0.15
+    still_fraction: float = 0.1
+    optim: OptimSettings = OptimSettings(lr=1e-3, warmup_steps=100, ema_decay=0.998)
+    loop: LoopSettings = LoopSettings(max_steps=20000, log_every=100)
+
+
+class Vae:
+    """The encoder and decoder of one config: graphdefs and random initial parameters
+    {"encoder": pure dict, "decoder": pure dict}."""
+
+    def __init__(self, cfg: Config, seed: int = 0):
+        self.config = cfg
+        self.dec_def, dec = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
+        self.enc_def, enc = init_module(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
+        self.initial = {"decoder": nnx.to_pure_dict(dec), "encoder": nnx.to_pure_dict(enc)}
+
+    def encode(self, params, video):
+        """video [T, H, W, 3] in [-1, 1] -> raw latents [T / 4, gh, gw, C]."""
+        return nnx.merge(self.enc_def, params["encoder"])(video)
+
+    def encode_image(self, params, rgb):
+        return nnx.merge(self.enc_def, params["encoder"]).encode_image(rgb)
+
+    def decode(self, params, z):
+        """raw latents [K, gh, gw, C] -> video [4K, H, W, 3], from an empty history."""
+        return nnx.merge(self.dec_def, params["decoder"])(z, None)[0]
+
+
+def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key):
+    """video [B, T, H, W, 3], mask [B, T, H, W] -> (loss, metrics)."""
+    z = jax.vmap(lambda v: vae.encode(params, v))(video)  # [B, K, gh, gw, C]
+    k1, k2 = jax.random.split(key)
+    rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(z * z, axis=(1, 2, 3, 4), keepdims=True) + 1e-8))
+    level = jax.random.uniform(k1, (z.shape[0], 1, 1, 1, 1)) * s.latent_noise
+    rec = jax.vmap(lambda zz: vae.decode(params, zz))(z + level * rms * jax.random.normal(k2, z.shape))
+    d = rec - video
+    per_px = jnp.mean(jnp.abs(d) + d * d, axis=-1)
+    w = 1.0 + s.mouth_weight * mask
+    rec_loss = jnp.sum(per_px * w) / jnp.sum(w)
+    reg = jnp.mean(z * z)
+    mouth_l1 = jnp.sum(jnp.mean(jnp.abs(d), -1) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    loss = rec_loss + s.latent_l2 * reg
+    return loss, {"loss": loss, "l1": jnp.mean(jnp.abs(d)), "mouth_l1": mouth_l1, "z_rms": jnp.sqrt(reg)}
+
+
+def make_step(vae: Vae, s: VaeSettings, tx):
+    cfg = vae.config
+    h, w = cfg.video.height, cfg.video.width
+
+    def step(state: TrainState, batch, lr):
+        identities, params, key = batch
+        video = render_video(identities, params, height=h, width=w)
+        mask = jax.vmap(lambda i, p: mouth_mask(i, p, h, w))(identities, params)
+        (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, p, video, mask, key), has_aux=True)(state.params)
+        state, gnorm = apply_gradients(state, grads, lr, tx, s.optim.ema_decay)
+        return state, {**metrics, "grad_norm": gnorm}
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+class Prefetch:
+    """Host batches made by a background thread (numpy work overlaps the device's)."""
+
+    def __init__(self, make, depth: int = 3):
+        self._q: queue.Queue = queue.Queue(depth)
+        self._make = make
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="prefetch")
+        self._thread.start()
+
+    def _run(self):
+        i = 0
+        while not self._stop.is_set():
+            item = self._make(i)
+            while not self._stop.is_set():
+                try:
+                    self._q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            i += 1
+
+    def get(self):
+        return self._q.get()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, log, seed: int = 0):
+    """Trains (or resumes) the VAE for up to budget_s seconds. Returns (Vae, ema params, record)."""
+    vae = Vae(cfg, seed)
+    tx = make_optimizer(s.optim)
+    state = init_state(vae.initial, tx)
+    record = {"stage": "vae"}
+    resumed = store.restore_latest(state)
+    if resumed is not None:
+        state, record = resumed
+        log(f"vae: resuming at step {int(state.step)}")
+    sampler = FaceSampler(frames=s.chunks * cfg.video.frames_per_step, still_fraction=s.still_fraction)
+    start = int(state.step)
+
+    def make(i):
+        return sampler.batch(np.random.default_rng([seed, 1, start, i]), s.batch)
+
+    prefetch = Prefetch(make)
+    key = jax.random.key(seed)
+
+    def next_batch(step):
+        ident, params = prefetch.get()
+        return jnp.asarray(ident), jnp.asarray(params), jax.random.fold_in(key, step)
+
+    try:
+        state, record = run_stage("vae", state, make_step(vae, s, tx), next_batch, store=store, record=record,
+                                  budget_s=budget_s, loop=s.loop, optim=s.optim, examples_per_step=s.batch,
+                                  log=log)
+    finally:
+        prefetch.close()
+    return vae, state.ema, record
