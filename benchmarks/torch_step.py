@@ -1425,8 +1425,9 @@ def main(argv=None) -> int:
     result = {"config": cfg.name, "tp": args.tp, "share": args.share, "command": command,
               "step_flops": step_flops(cfg), "timed_steps": args.steps, "warmup": args.warmup,
               "prompt_tokens": len(inputs.prompt),
-              "notes": ["JAX first (then its arrays and backends freed), PyTorch after it in the same process "
-                        f"(XLA_PYTHON_CLIENT_PREALLOCATE={os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')})"]
+              "notes": ["JAX first (then its arrays and backends freed), PyTorch after it "
+                        + ("in the same process" if args.tp == 1 else f"in {args.tp} spawned processes (NCCL)")
+                        + f" (XLA_PYTHON_CLIENT_PREALLOCATE={os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')})"]
               if args.side == "both" else [],
               "env": {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                                                       "XLA_PYTHON_CLIENT_ALLOCATOR", "NCCL_NVLS_ENABLE", "XLA_FLAGS")}}
