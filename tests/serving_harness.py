@@ -1,5 +1,5 @@
-"""A real worker process for end-to-end tests: started with `serve`, driven by the client
-library, its health, state file and metrics read as a user's tooling would."""
+"""Serving test helpers: a real worker process (`serve`, its health, state file and metrics
+read as a user's tooling would), a recorder of a conversation's stream, speech and images."""
 
 import io
 import json
@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -15,6 +16,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.client import CharacterClient
 from characters_jax.serving.server import SERVICE_NAME, child_env
 
@@ -87,3 +89,104 @@ class Worker:
                 self.proc.kill()
         self.client.close()
         self.log.close()
+
+
+class Recorder:
+    """Reads a Conversation in a thread: every item with its arrival time, in order."""
+
+    def __init__(self, conv):
+        self.conv = conv
+        self.items: list = []
+        self.times: list[float] = []
+        self.error: Exception | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        try:
+            for item in self.conv:
+                with self._cond:
+                    self.items.append(item)
+                    self.times.append(time.monotonic())
+                    self._cond.notify_all()
+        except Exception as err:  # surfaced by join()
+            self.error = err
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def chunks(self) -> list:
+        return [x for x in list(self.items) if isinstance(x, pb.VideoChunk)]
+
+    @property
+    def events(self) -> list:
+        return [x for x in list(self.items) if isinstance(x, pb.SpeechEvent)]
+
+    def chunk_times(self) -> list[float]:
+        return [t for x, t in zip(list(self.items), list(self.times)) if isinstance(x, pb.VideoChunk)]
+
+    def index(self, item) -> int:
+        return next(i for i, x in enumerate(self.items) if x is item)
+
+    def chunks_after(self, item) -> list:
+        return [x for x in self.items[self.index(item) + 1 :] if isinstance(x, pb.VideoChunk)]
+
+    def wait(self, predicate, timeout: float = 10.0):
+        with self._cond:
+            ok = self._cond.wait_for(lambda: predicate() or not self._thread.is_alive(), timeout)
+        assert ok and predicate(), f"not reached within {timeout} s (stream error: {self.error})"
+
+    def wait_event(self, kind, segment=None, timeout: float = 10.0):
+        def find():
+            return next((e for e in self.events if e.kind == kind and (segment is None or e.segment == segment)), None)
+
+        self.wait(lambda: find() is not None, timeout)
+        return find()
+
+    def send_speech(self, pcm: np.ndarray, speed: float = 1.0, end: bool = True, block: bool = True, piece_ms: int = 20):
+        """Sends pcm in piece_ms pieces at `speed` times real time, then end_of_speech."""
+        def run():
+            step = 16 * piece_ms
+            t0 = time.monotonic()
+            for off in range(0, len(pcm), step):
+                wait = t0 + off / 16000 / speed - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)  # the microphone's (or the agent's) pace, not the worker's
+                self.conv.send_audio(pcm[off : off + step])
+            if end:
+                self.conv.end_speech()
+
+        if block:
+            run()
+            return None
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def join(self, timeout: float = 30.0):
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream did not end"
+        if self.error is not None:
+            raise self.error
+
+
+def timeline_of(chunks, segments: dict) -> np.ndarray:
+    """The session's timeline from its chunks (zeros where none was received), after checking
+    that every speech span holds exactly the segment's samples (segments: number -> the
+    int16 samples sent) and that every other sample is silence."""
+    end = max(c.audio_first_sample + len(c.audio_pcm) // 2 for c in chunks)
+    timeline = np.zeros(end, np.int16)
+    for c in chunks:
+        audio = np.frombuffer(c.audio_pcm, "<i2")
+        speech_mask = np.zeros(len(audio), bool)
+        for sp in c.speech:
+            a = sp.position_samples - c.audio_first_sample
+            assert 0 <= a and a + sp.samples <= len(audio), (c.step_index, sp)
+            if sp.segment in segments:
+                expected = segments[sp.segment][sp.segment_offset_samples : sp.segment_offset_samples + sp.samples]
+                np.testing.assert_array_equal(audio[a : a + sp.samples], expected, err_msg=f"step {c.step_index} segment {sp.segment}")
+            speech_mask[a : a + sp.samples] = True
+        assert not audio[~speech_mask].any(), f"step {c.step_index}: inserted silence is not zeros"
+        timeline[c.audio_first_sample : c.audio_first_sample + len(audio)] = audio
+    return timeline

@@ -1,4 +1,5 @@
-"""Service pieces without processes: images, the session slot, pacing signals, playout clock."""
+"""Service pieces without processes: images, the session slot, the playout clock, targets,
+limits, message sizes, health."""
 
 import io
 import threading
@@ -7,13 +8,24 @@ import time
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 from PIL import Image
+
+from characters_jax.config import load_config
+from characters_jax.protos_gen import characters_pb2 as pb
+from characters_jax.serving.channel_options import chunk_message_bytes, worker_server_options
+from characters_jax.serving.client import parse_target
+from characters_jax.serving.conversation import Limits
+from characters_jax.serving.health import SERVICE_NAME, WorkerHealth
+from characters_jax.serving.worker import WorkerOptions, resolve_limits
 
 from characters_jax.serving.images import ImageError, ImageLimits, load_reference_image
 from characters_jax.serving.playout import PlayoutClock
 from characters_jax.serving.session import SessionTable, SlotBusy
-from characters_jax.serving.signals import SessionSignals
 from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+
+
+LIMITS = Limits(60.0, 10.0)
 
 
 def _png(w, h, mode="RGB"):
@@ -47,9 +59,9 @@ def test_bad_images_are_named(data, limits, msg):
 def test_one_live_session_and_legal_transitions():
     events = []
     table = SessionTable(lambda rec, old, idle: events.append((old, rec.state, idle)), keep_finished=2)
-    a = table.reserve(1, 0)
+    a = table.reserve(1, 0, LIMITS)
     with pytest.raises(SlotBusy):
-        table.reserve(2, 0)
+        table.reserve(2, 0, LIMITS)
     assert not table.transition(a, "RUNNING")  # NOT_READY cannot run
     assert table.transition(a, "READY") and table.transition(a, "RUNNING")
     assert table.transition(a, "CANCELLED", grpc.StatusCode.CANCELLED, "bye")
@@ -58,58 +70,10 @@ def test_one_live_session_and_legal_transitions():
     assert events[-1] == ("RUNNING", "CANCELLED", True)
     ids = []
     for _ in range(3):
-        r = table.reserve(0, 0)
+        r = table.reserve(0, 0, LIMITS)
         table.transition(r, "FAILED")
         ids.append(r.session_id)
     assert table.get(a.session_id) is None and table.get(ids[-1]) is not None  # bounded history
-
-
-def test_step_waits_for_its_audio_and_for_the_playout_lead():
-    sig = SessionSignals(fps=24, frames_per_step=4, playout_reports=True)
-    steps_for = lambda n: -(-(-(-n * 24 // 16000)) // 4)
-    results = []
-
-    def run(step, end):
-        results.append(sig.wait_for_step(step, end, steps_for, lead=2))
-
-    t = threading.Thread(target=run, args=(0, 2666))
-    t.start()
-    time.sleep(0.05)
-    assert results == []  # no audio yet
-    sig.add_audio(b"\0\0" * 2666)
-    t.join(1)
-    assert results == ["run"]
-    sig.add_audio(b"\0\0" * 20000)
-    assert sig.wait_for_step(1, 5333, steps_for, lead=2) == "run"
-    t = threading.Thread(target=run, args=(2, 8000))
-    t.start()
-    time.sleep(0.05)
-    assert results == ["run"]  # two chunks ahead of playout: wait
-    sig.report_playout(4, 0)
-    t.join(1)
-    assert results == ["run", "run"]
-    sig.end_audio()
-    assert sig.wait_for_step(9, 26666, steps_for, lead=100) == "done"
-    sig.cancel(grpc.StatusCode.CANCELLED, "x")
-    assert sig.wait_for_step(3, 10666, steps_for, lead=2) == "cancelled"
-
-
-def test_estimated_playout_clock_paces_without_reports():
-    sig = SessionSignals(fps=24, frames_per_step=4, playout_reports=False)
-    sig.add_audio(b"\0\0" * 32000)
-    steps_for = lambda n: 12
-    assert sig.wait_for_step(0, 1, steps_for, lead=1) == "run"
-    sig.chunk_sent()
-    t0 = time.monotonic()
-    assert sig.wait_for_step(2, 1, steps_for, lead=1) == "run"  # until playout passes step 1
-    assert 0.16 < time.monotonic() - t0 < 0.5
-
-
-def test_silent_client_stalls_instead_of_holding_the_worker():
-    sig = SessionSignals(fps=24, frames_per_step=4, playout_reports=True, audio_timeout_s=0.2)
-    t0 = time.monotonic()
-    assert sig.wait_for_step(0, 2666, lambda n: 1, lead=3) == "stalled"
-    assert 0.15 < time.monotonic() - t0 < 1.0
 
 
 def test_playout_clock_counts_underruns():
@@ -133,9 +97,78 @@ def test_tensor_roundtrip_and_checks():
 def test_ready_expiry_never_touches_a_running_session():
     """The READY timer fires late: a session that went RUNNING meanwhile is left alone."""
     table = SessionTable(lambda rec, old, idle: None)
-    rec = table.reserve(seed=0, prompt_tokens=0)
+    rec = table.reserve(seed=0, prompt_tokens=0, limits=LIMITS)
     assert table.transition(rec, "READY")
     assert table.transition(rec, "RUNNING")
     assert not table.transition(rec, "CANCELLED", only_from="READY")
     assert rec.state == "RUNNING"
     assert table.transition(rec, "CANCELLED")
+
+
+def test_playout_flush_is_a_gap_not_an_underrun():
+    clock = PlayoutClock(fps=200, prebuffer_frames=2)
+    clock.add_frames(8)
+    time.sleep(0.02)
+    played = clock.flush()  # an interrupt: the frames not shown are dropped
+    assert played < 8 and clock.received == played
+    time.sleep(0.05)
+    clock.add_frames(2)
+    clock.end()
+    clock.wait_drained(2)
+    assert clock.played == played + 2 and clock.underruns == 0 and clock.gap_s > 0.03
+
+
+def test_targets_one_worker_a_list_or_a_dns_name():
+    assert parse_target("127.0.0.1:50051") == parse_target("127.0.0.1:50051", balanced=False)
+    assert not parse_target("localhost:1").balanced
+    t = parse_target("127.0.0.1:1, localhost:2,")
+    assert t.balanced and t.uri == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert parse_target("[::1]:5,[::1]:6").uri == "ipv6:[::1]:5,[::1]:6"
+    assert parse_target("dns:///workers.example:50051").balanced
+    config = dict(parse_target("dns:///w:1").options)["grpc.service_config"]
+    assert '"round_robin"' in config and SERVICE_NAME in config and '"waitForReady": true' in config and "RESOURCE_EXHAUSTED" in config
+    assert "grpc.service_config" not in dict(parse_target("w:1").options)
+    for bad, msg in (("", "empty"), ("nohost", "host:port"), ("127.0.0.1:1,b", "host:port"), ("no-such-host.invalid:1,127.0.0.1:2", "cannot resolve"), ("127.0.0.1:1,[::1]:2", "mixes")):
+        with pytest.raises(ValueError, match=msg):
+            parse_target(bad)
+
+
+def test_client_limits_are_capped_by_the_worker():
+    opts = WorkerOptions(max_duration_s=600, idle_timeout_s=60)
+    assert resolve_limits(pb.SessionLimits(), opts) == Limits(600, 60)
+    assert resolve_limits(pb.SessionLimits(max_duration_s=30, idle_timeout_s=120), opts) == Limits(30, 60)
+    for bad in (pb.SessionLimits(max_duration_s=-1), pb.SessionLimits(idle_timeout_s=float("nan"))):
+        with pytest.raises(ValueError, match="limits"):
+            resolve_limits(bad, opts)
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        WorkerOptions(idle_timeout_s=0)
+
+
+def test_message_limits_follow_the_video_size():
+    tiny, big = load_config("tiny"), load_config("tiny").replace(video={"height": 1088, "width": 1920})
+    one_chunk = 4 * 1088 * 1920 * 3
+    assert one_chunk > 16 << 20  # what a fixed 16 MiB limit refused
+    assert one_chunk < chunk_message_bytes(big) < one_chunk + (1 << 20)
+    assert dict(worker_server_options(big, 4 << 20))["grpc.max_send_message_length"] == chunk_message_bytes(big)
+    assert chunk_message_bytes(tiny) < 1 << 20
+    assert dict(worker_server_options(tiny, 4 << 20))["grpc.max_receive_message_length"] > 4 << 20
+
+
+def test_health_follows_the_slot_and_draining_is_final():
+    idle = [True]
+    h = WorkerHealth(lambda: idle[0])
+
+    def status(name):
+        return h.servicer.Check(health_pb2.HealthCheckRequest(service=name), None).status
+
+    S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert (status(""), status(SERVICE_NAME)) == (N, N)  # not started
+    h.ready()
+    assert (status(""), status(SERVICE_NAME)) == (S, S)
+    idle[0] = False
+    h.refresh()
+    assert (status(""), status(SERVICE_NAME)) == (S, N)
+    idle[0] = True
+    h.drain()
+    h.refresh()
+    assert (status(""), status(SERVICE_NAME)) == (N, N)

@@ -38,7 +38,13 @@ def _view(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run a generator worker (CharacterService over gRPC)")
+    p = subparsers.add_parser(
+        "serve", help="run a generator worker (CharacterService over gRPC)",
+        description="A generator worker: one session at a time, a conversation (listening video on silence, speech "
+                    "segments, interrupts) until the client ends it or a limit does. Health 'characters.v1.CharacterService' "
+                    "is SERVING while idle (balancers place sessions by it), '' until it drains. SIGTERM drains: "
+                    "NOT_SERVING at once, new sessions UNAVAILABLE, the live session goes on up to --drain-timeout, "
+                    "then it is CANCELLED and the worker stops.")
     p.add_argument("--config", default="small", help="config name or .toml path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (diffusion devices)")
     p.add_argument("--checkpoint", default=None, help="weights directory (random weights if absent)")
@@ -59,8 +65,17 @@ def register(subparsers) -> None:
                    help="fraction of each generator GPU's memory the generator may take (default: all that the decoder "
                         "and the per-process reserves leave)")
     p.add_argument("--lead-chunks", type=int, default=3, help="how many chunks the step loop may run ahead of the client's playout")
-    p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds a READY session waits for Converse")
-    p.add_argument("--audio-timeout", type=float, default=30.0, help="seconds without audio (and no end_of_audio) before a running session fails")
+    p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds a READY session (CreateSession) waits for Converse")
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="longest session, seconds from RUNNING; a client may ask for less (ends COMPLETED, MAX_DURATION)")
+    p.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="a session with no speech queued or playing and no client audio or control for this many seconds "
+                        "ends COMPLETED (IDLE_TIMEOUT); a client may ask for less")
+    p.add_argument("--drain-timeout", type=float, default=300.0,
+                   help="on SIGTERM, how long the live session may go on before it is ended CANCELLED (DRAIN_TIMEOUT)")
+    p.add_argument("--max-queued-audio", type=float, default=60.0,
+                   help="seconds of speech a client may send ahead of its playback; more fails the session RESOURCE_EXHAUSTED")
+    p.add_argument("--worker-id", default="", help="this worker's name in Session.worker_id (default: host name:port)")
     p.add_argument("--max-image-bytes", type=int, default=4 << 20)
     p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
     p.add_argument("--log-level", default="info")
@@ -74,15 +89,23 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_decode_serve)
 
-    p = subparsers.add_parser("talk", help="talk to a worker: image + WAV in, MP4 out")
-    p.add_argument("--server", default="127.0.0.1:50051")
+    p = subparsers.add_parser(
+        "talk", help="talk to a worker: image + WAV in, MP4 out",
+        description="One session: the WAV as one speech segment from the first frame, the video written to an MP4. "
+                    "The session opens on its own Converse stream, so --server may be a set of workers: the first idle one "
+                    "takes it (gRPC round_robin with health checks, waitForReady, retries of RESOURCE_EXHAUSTED).")
+    p.add_argument("--server", default="127.0.0.1:50051",
+                   help="a worker (host:port), a comma list of workers (h1:p1,h2:p2), or a DNS name (dns:///name:port)")
     p.add_argument("--image", required=True)
     p.add_argument("--audio", required=True, help="WAV, 16 kHz mono s16le")
     p.add_argument("--out", required=True, help="MP4 to write")
     p.add_argument("--prompt", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="also write the summary as JSON here")
-    p.add_argument("--fast", action="store_true", help="send the audio at once instead of at real-time pace")
+    p.add_argument("--fast", action="store_true", help="send the audio at once (bounded ahead of the video) instead of at real-time pace")
+    p.add_argument("--max-duration", type=float, default=None, help="ask for a shorter max_duration than the worker's, seconds")
+    p.add_argument("--idle-timeout", type=float, default=None, help="ask for a shorter idle_timeout than the worker's, seconds")
+    p.add_argument("--open-timeout", type=float, default=300.0, help="seconds to wait for an idle worker to take the session")
     p.set_defaults(func=_talk)
 
     p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")

@@ -17,24 +17,24 @@ import time
 import grpc
 import numpy as np
 
+from characters_jax.config import Config
 from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
+from characters_jax.serving.channel_options import decoder_channel_options
 from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger("characters_jax.serving.decoder_link")
-
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
 
 class DecoderUnavailable(Exception):
     pass
 
 
 class DecoderClient:
-    """A channel to the decoder process (host:port or unix:PATH)."""
+    """A channel to the decoder process (host:port or unix:PATH), its message limits sized
+    for the config's chunks."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, config: Config):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=decoder_channel_options(config))
         self.stub = decoder_pb2_grpc.DecoderServiceStub(self.channel)
 
     def encode(self, rgb: np.ndarray, latent_shape, timeout: float = 120.0) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 Playback starts once `prebuffer_frames` have arrived; every 1/fps it shows the next frame.
 If the next frame has not arrived, that is an underrun: the clock stalls until it does
-(it never skips). `frames_played` and `underruns` are what the client reports to the
-worker, which paces its step loop to them.
+(it never skips). `flush()` (an interrupt) drops the frames not yet shown; the wait for the
+frames after it is a gap, not an underrun. `frames_played` and `underruns` are what the
+client reports to the worker, which paces its step loop to them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ class PlayoutClock:
         self.received = 0
         self.played = 0
         self.underruns = 0
-        self.stall_s = 0.0
+        self.stall_s = 0.0  # time spent in underruns
+        self.gap_s = 0.0  # time spent waiting after flushes
         self.ended = False
         self.started_at: float | None = None
+        self._gap = False
         self._thread = threading.Thread(target=self._run, name="playout", daemon=True) if realtime else None
         if self._thread:
             self._thread.start()
@@ -38,6 +41,14 @@ class PlayoutClock:
             self._cond.notify_all()
         if not self.realtime and self.on_report:
             self.on_report(self.played, 0)
+
+    def flush(self) -> int:
+        """Drops the frames received and not shown; returns the frames played so far."""
+        with self._cond:
+            self.received = self.played
+            self._gap = True
+            self._cond.notify_all()
+            return self.played
 
     def end(self) -> None:
         """No more frames will arrive; playout drains what it has."""
@@ -63,15 +74,20 @@ class PlayoutClock:
                 if self.played >= self.received:
                     if self.ended:
                         return
-                    self.underruns += 1
+                    gap = self._gap
+                    self.underruns += 0 if gap else 1
                     t0 = time.monotonic()
                     while self.played >= self.received and not self.ended:
                         self._cond.wait()
                     if self.played >= self.received:
                         return
                     stalled = time.monotonic() - t0
-                    self.stall_s += stalled
-                    t_next += stalled
+                    if gap:
+                        self.gap_s += stalled
+                    else:
+                        self.stall_s += stalled
+                    t_next = max(t_next, time.monotonic())
+                self._gap = False
                 self.played += 1
                 played, under = self.played, self.underruns
             t_next += period

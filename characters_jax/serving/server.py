@@ -2,8 +2,10 @@
 
 The worker: loads the config and the generator, starts (and supervises) its decoder process
 unless given one, compiles everything once, then serves CharacterService + grpc.health.v1 +
-reflection on one port and Prometheus metrics on another. It writes a small JSON state file
-(ports, pids) when ready. SIGTERM (or SIGINT) ends the live session as CANCELLED, then stops.
+reflection on one port (worker_server.py) and Prometheus metrics on another. It writes a
+small JSON state file (ports, pids) when ready. SIGTERM (or SIGINT) drains: NOT_SERVING at
+once, new sessions refused (UNAVAILABLE), the live session goes on up to --drain-timeout
+and is then ended CANCELLED; then the worker stops.
 """
 
 from __future__ import annotations
@@ -20,14 +22,10 @@ import threading
 import time
 from concurrent import futures
 
-import grpc
-
+from characters_jax.serving.health import SERVICE_NAME  # noqa: F401  (the name balancers check)
 from characters_jax.serving.placement import host_device_flags
 
 log = logging.getLogger("characters_jax.serving.server")
-
-SERVICE_NAME = "characters.v1.CharacterService"
-SERVER_OPTIONS = [("grpc.max_receive_message_length", 16 << 20), ("grpc.max_send_message_length", 16 << 20), ("grpc.so_reuseport", 0)]
 
 
 def child_env(device_count: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -47,10 +45,12 @@ def _write_json(path: str | None, data: dict) -> None:
 
 
 def _wait_for_stop() -> threading.Event:
+    """Set by the first SIGTERM / SIGINT; later ones are logged and change nothing (a drain
+    runs to its deadline, however often it is asked for)."""
     stop = threading.Event()
 
     def handler(signum, _frame):
-        log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name}})
+        log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name, "draining": stop.is_set()}})
         stop.set()
 
     signal.signal(signal.SIGTERM, handler)
@@ -146,26 +146,43 @@ def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
             "real_time": bool(step_ms <= v.step_seconds * 1e3), "memory": device_memory()}
 
 
+def worker_options(args) -> "WorkerOptions":
+    """The session options of `serve`'s flags. Raises ValueError naming a bad flag."""
+    from characters_jax.serving.images import ImageLimits
+    from characters_jax.serving.worker import WorkerOptions
+
+    flags = {"lead_chunks": "--lead-chunks", "ready_timeout_s": "--ready-timeout", "max_duration_s": "--max-duration",
+             "idle_timeout_s": "--idle-timeout", "max_queued_audio_s": "--max-queued-audio", "drain_timeout_s": "--drain-timeout"}
+    try:
+        return WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, max_duration_s=args.max_duration,
+                             idle_timeout_s=args.idle_timeout, max_queued_audio_s=args.max_queued_audio, drain_timeout_s=args.drain_timeout,
+                             worker_id=args.worker_id, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
+    except ValueError as err:
+        name = str(err).split(":", 1)[0]
+        raise ValueError(f"{flags.get(name, name)}: {str(err).split(':', 1)[1].strip()}") from None
+
+
 def run_worker(args) -> int:
     """`serve`: the generator worker."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
     from characters_jax.audio.features import AudioFrontEnd
     from characters_jax.audio.timeline import Timeline
     from characters_jax.config import load_config
-    from characters_jax.protos_gen import characters_pb2, characters_pb2_grpc
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.images import ImageLimits
     from characters_jax.serving.metrics import WorkerMetrics
     from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
-    from characters_jax.serving.session import SessionTable
     from characters_jax.serving.supervisor import Supervisor
-    from characters_jax.serving.worker import CharacterServicer, WorkerContext, WorkerOptions
+    from characters_jax.serving.worker import WorkerContext, WorkerOptions
+    from characters_jax.serving.worker_server import WorkerServer
 
     stop = _wait_for_stop()
     t_start = time.perf_counter()
     cfg = load_config(args.config)
+    try:
+        options = worker_options(args)
+    except ValueError as err:
+        print(f"characters-jax serve: {err}", file=sys.stderr)
+        return 2
     # Placement first: a plan that cannot fit is refused before anything is initialised.
     placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
@@ -205,25 +222,10 @@ def run_worker(args) -> int:
     frontend = AudioFrontEnd(cfg)
     state["warmup"] = _warmup(generator, frontend, cfg, metrics)
     log.info("generator compiled", extra={"fields": state["warmup"]})
-    decoder = DecoderClient(decoder_address)
+    decoder = DecoderClient(decoder_address, cfg)
     ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
-
-    health_servicer = health.HealthServicer()
-
-    def on_change(rec, old, idle):
-        metrics.set_state(old, rec.state)
-        if not servicer.shutting_down.is_set():
-            health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if idle else health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("session state", extra={"fields": {"session_id": rec.session_id, "from": old, "to": rec.state, "code": rec.status_code.name, "reason": rec.status_message}})
-
-    options = WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, audio_timeout_s=args.audio_timeout, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
-    servicer = CharacterServicer(ctx, options, SessionTable(on_change))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
-    characters_pb2_grpc.add_CharacterServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (characters_pb2.DESCRIPTOR.services_by_name["CharacterService"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    worker = WorkerServer(ctx, options, args.host, args.port)
+    port = worker.port
     if port == 0:
         log.error("could not bind", extra={"fields": {"host": args.host, "port": args.port}})
         return 1
@@ -237,10 +239,8 @@ def run_worker(args) -> int:
         decoder_memory = json.loads(decoder_state.read_text()).get("memory", {})
         state["decoder_memory"] = decoder_memory
         metrics.set_device_memory({f"decoder_{k}": v for k, v in decoder_memory.items()})
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    server.start()
-    state.update(port=port, metrics_port=metrics_port)
+    worker.start()
+    state.update(port=port, metrics_port=metrics_port, worker_id=worker.options.worker_id)
     warm = state["warmup"]
     state["startup_s"] = round(time.perf_counter() - t_start, 2)
     _write_json(args.state_file, state)
@@ -251,10 +251,10 @@ def run_worker(args) -> int:
             "note": "sessions stream at this rate, below the video's fps: playout will stall"}})
 
     stop.wait()
-    log.info("shutting down")
-    servicer.shutdown()
-    health_servicer.enter_graceful_shutdown()
-    server.stop(grace=3).wait()
+    log.info("draining", extra={"fields": {"drain_timeout_s": options.drain_timeout_s}})
+    outcome = worker.drain()
+    log.info("drained", extra={"fields": {"outcome": outcome}})
+    worker.stop(grace=3)
     if supervisor is not None:
         supervisor.stop()
     decoder.close()

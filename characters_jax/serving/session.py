@@ -1,9 +1,10 @@
 """Session records and the worker's single session slot.
 
 A `SessionRecord` moves NOT_READY -> READY -> RUNNING -> COMPLETED | FAILED | CANCELLED
-(READY may also end CANCELLED or FAILED). The `SessionTable` holds at most one live session
-(a second gets `SlotBusy` -> RESOURCE_EXHAUSTED) and the last finished ones for GetSession.
-State changes call the table's listener (health status and metrics).
+(READY may also end CANCELLED or FAILED) with an end reason (an EndReason name). The
+`SessionTable` holds at most one live session (a second gets `SlotBusy` ->
+RESOURCE_EXHAUSTED) and the last finished ones for GetSession. State changes call the
+table's listener (health status and metrics); `wait_idle` lets a drain wait for the slot.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import uuid
 from typing import Callable
 
 import grpc
+
+from characters_jax.serving.conversation import Limits
 
 LIVE = ("NOT_READY", "READY", "RUNNING")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -38,9 +41,11 @@ class SessionRecord:
     seed: int
     prompt_tokens: int
     created_unix_ms: int
+    limits: Limits
     state: str = "NOT_READY"
     status_code: grpc.StatusCode = grpc.StatusCode.OK
     status_message: str = ""
+    end_reason: str = "END_REASON_UNSPECIFIED"
     steps: int = 0
     frames: int = 0
 
@@ -53,17 +58,18 @@ class SessionTable:
     def __init__(self, on_change: Callable[[SessionRecord, str | None, bool], None], keep_finished: int = 64):
         """on_change(record, old_state, worker_idle) is called after every state change."""
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._live: SessionRecord | None = None
         self._finished: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
         self._keep = keep_finished
         self._on_change = on_change
 
-    def reserve(self, seed: int, prompt_tokens: int) -> SessionRecord:
+    def reserve(self, seed: int, prompt_tokens: int, limits: Limits) -> SessionRecord:
         """Takes the slot with a NOT_READY session. Raises SlotBusy."""
         with self._lock:
             if self._live is not None:
                 raise SlotBusy(f"this worker is serving session {self._live.session_id} ({self._live.state}); one session per worker")
-            rec = SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000))
+            rec = SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000), limits)
             self._live = rec
         self._on_change(rec, None, False)
         return rec
@@ -79,20 +85,30 @@ class SessionTable:
         with self._lock:
             return self._live
 
-    def transition(self, rec: SessionRecord, new: str, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "", *, only_from: str | None = None) -> bool:
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the slot to be free; returns whether it is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._live is None, timeout)
+
+    def transition(self, rec: SessionRecord, new: str, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "",
+                   reason: str = "END_REASON_UNSPECIFIED", *, only_from: str | None = None) -> bool:
         """Moves rec to `new` if allowed from its current state (and, with `only_from`, only
-        from that state); returns whether it moved. Entering a terminal state frees the slot."""
+        from that state); returns whether it moved. Entering a terminal state (with `reason`,
+        an EndReason name) frees the slot."""
         with self._lock:
             old = rec.state
             if new not in _NEXT.get(old, ()) or (only_from is not None and old != only_from):
                 return False
             rec.state, rec.status_code, rec.status_message = new, code, message
             idle = False
-            if new in TERMINAL and self._live is rec:
-                self._live = None
-                self._finished[rec.session_id] = rec
-                while len(self._finished) > self._keep:
-                    self._finished.popitem(last=False)
-                idle = True
+            if new in TERMINAL:
+                rec.end_reason = reason
+                if self._live is rec:
+                    self._live = None
+                    self._finished[rec.session_id] = rec
+                    while len(self._finished) > self._keep:
+                        self._finished.popitem(last=False)
+                    idle = True
+                    self._idle.notify_all()
         self._on_change(rec, old, idle)
         return True

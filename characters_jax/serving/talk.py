@@ -1,4 +1,10 @@
-"""`characters-jax talk`: one session against a worker, written to an MP4 with a summary."""
+"""`characters-jax talk`: one session against a worker (or any of a set of workers), written
+to an MP4 with a summary.
+
+The session opens on its own Converse stream (so a balanced target works: the first idle
+worker takes it), the WAV plays as one speech segment from the first frame, and the session
+ends once it has played.
+"""
 
 from __future__ import annotations
 
@@ -17,51 +23,57 @@ from characters_jax.serving.mp4 import write_mp4
 _ENC = {"s16le": pb.AudioFormat.PCM_S16LE}
 
 
-def run_talk(address: str, image_path, audio_path, out_path, *, prompt: str = "", seed: int = 0, realtime: bool = True, progress=sys.stderr, connect_timeout: float = 60.0) -> dict:
+def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "", seed: int = 0, realtime: bool = True, progress=sys.stderr,
+             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0) -> dict:
     """Runs a session and writes `out_path`. Returns the summary dict. Raises grpc.RpcError."""
     image = pathlib.Path(image_path).read_bytes()
     samples, fmt = read_wav(str(audio_path))
-    with CharacterClient(address) as client:
-        client.wait_ready(connect_timeout)
+    with CharacterClient(target) as client:
         t0 = time.monotonic()
-        session = client.create_session(image, prompt=prompt, seed=seed)
-        create_s = time.monotonic() - t0
-        fps = session.fps
+        opened = {}
 
         def on_chunk(c):
+            opened.setdefault("first_chunk_s", time.monotonic() - t0)
             n = c.first_frame_index + len(c.frames)
-            if progress and (n % fps == 0):
-                print(f"  {n / fps:5.1f} s of video  step {c.step_index:4d}  diffusion {c.diffusion_ms:6.1f} ms  decode {c.decode_ms:6.1f} ms", file=progress, flush=True)
+            if progress and (n % 24 == 0):
+                print(f"  {n / 24:5.1f} s of video  step {c.step_index:4d}  diffusion {c.diffusion_ms:6.1f} ms  decode {c.decode_ms:6.1f} ms", file=progress, flush=True)
 
-        try:
-            result = client.converse(session.session_id, samples.tobytes(), fps=fps, realtime=realtime, sample_rate=fmt.sample_rate_hz, channels=fmt.channels, encoding=_ENC.get(fmt.encoding, pb.AudioFormat.ENCODING_UNSPECIFIED), on_chunk=on_chunk)
-        except grpc.RpcError:
-            try:  # free the worker now rather than at its READY timeout
-                client.close_session(session.session_id)
-            except grpc.RpcError:
-                pass
-            raise
-        final = client.get_session(session.session_id)
+        result = client.converse(None, samples.tobytes(), image=image, prompt=prompt, seed=seed, limits=limits, realtime=realtime,
+                                 sample_rate=fmt.sample_rate_hz, channels=fmt.channels, encoding=_ENC.get(fmt.encoding, pb.AudioFormat.ENCODING_UNSPECIFIED),
+                                 on_chunk=on_chunk, open_timeout=open_timeout)
+    session = result.session
+    fps = session.fps
     frames = result.frames
     if frames:
         write_mp4(out_path, frames, result.audio, fps=fps, sample_rate=fmt.sample_rate_hz)
-    summary = {"session_id": session.session_id, "create_session_s": round(create_s, 3), "audio_seconds": round(len(samples) / fmt.sample_rate_hz, 3), **result.summary(fps), "session_state": pb.SessionState.Name(final.state), "video": {"width": session.width, "height": session.height, "fps": fps}, "out": str(out_path)}
-    return summary
+    final = result.final_event
+    return {"session_id": session.session_id, "worker_id": session.worker_id, "first_chunk_s": round(opened.get("first_chunk_s", float("nan")), 3),
+            "audio_seconds": round(len(samples) / fmt.sample_rate_hz, 3), **result.summary(fps),
+            "session_state": pb.SessionState.Name(final.state) if final else "UNKNOWN",
+            "video": {"width": session.width, "height": session.height, "fps": fps}, "out": str(out_path)}
 
 
 def print_summary(summary: dict, file=sys.stdout) -> None:
-    keys = [("frames", "frames"), ("sustained_fps", "sustained fps"), ("playout_underruns", "playout underruns"), ("step_ms_p50", "step (diffusion) p50 ms"), ("step_ms_p99", "step (diffusion) p99 ms"), ("decode_ms_p50", "decode p50 ms"), ("period_ms_p50", "step period p50 ms"), ("audio_to_frame_latency_s_first", "audio -> first frame latency s"), ("audio_to_frame_latency_s_p50", "audio -> frame latency p50 s"), ("session_state", "session")]
+    keys = [("worker_id", "worker"), ("frames", "frames"), ("sustained_fps", "sustained fps"), ("playout_underruns", "playout underruns"),
+            ("step_ms_p50", "step (diffusion) p50 ms"), ("step_ms_p99", "step (diffusion) p99 ms"), ("decode_ms_p50", "decode p50 ms"),
+            ("period_ms_p50", "step period p50 ms"), ("audio_to_frame_latency_s_first", "audio -> first frame latency s"),
+            ("audio_to_frame_latency_s_p50", "audio -> frame latency p50 s"), ("session_state", "session"), ("end_reason", "ended by")]
     for k, label in keys:
         if k in summary:
             print(f"  {label:34s} {summary[k]}", file=file)
 
 
 def talk_command(args) -> int:
+    limits = pb.SessionLimits(max_duration_s=args.max_duration or 0, idle_timeout_s=args.idle_timeout or 0)
     try:
-        summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, seed=args.seed, realtime=not args.fast)
+        summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, seed=args.seed, realtime=not args.fast,
+                           limits=limits, open_timeout=args.open_timeout)
     except grpc.RpcError as err:
         print(f"characters-jax talk: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except ValueError as err:
+        print(f"characters-jax talk: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}")
     print_summary(summary)
     if args.report:

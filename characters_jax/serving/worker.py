@@ -1,18 +1,19 @@
 """`CharacterService`: the RPC handlers of a generator worker (one session at a time).
 
-The orchestration lives here and in `live.py`; the model lives behind the `Generator`
-protocol (engine/interface.py) and the VAE in the decoder process.
+The orchestration lives here, in `live.py` and `conversation.py`; the model lives behind
+the `Generator` protocol (engine/interface.py) and the VAE in the decoder process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import secrets
 import threading
 
 import grpc
-import numpy as np
 
 from characters_jax.audio.features import AudioFrontEnd
 from characters_jax.audio.pcm import AudioFormatError, PcmFormat, check_format
@@ -20,12 +21,13 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import Config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
+from characters_jax.serving.conversation import Limits
 from characters_jax.serving.decoder_link import DecoderClient, DecoderUnavailable
+from characters_jax.serving.health import WorkerHealth
 from characters_jax.serving.images import ImageError, ImageLimits, load_reference_image
-from characters_jax.serving.live import LiveSession
+from characters_jax.serving.live import LiveSession, StreamOptions
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.session import SessionRecord, SessionTable, SlotBusy
-from characters_jax.serving.signals import SessionSignals
 
 log = logging.getLogger("characters_jax.serving.worker")
 
@@ -36,9 +38,22 @@ _ENCODINGS = {pb.AudioFormat.PCM_S16LE: "s16le", pb.AudioFormat.PCM_F32LE: "f32l
 class WorkerOptions:
     lead_chunks: int = 3  # bound on how far the step loop runs ahead of the client's playout clock
     ready_timeout_s: float = 60.0  # a READY session with no Converse is cancelled after this
-    audio_timeout_s: float = 30.0  # a running session that gets no audio (and no end) for this long fails
     encode_timeout_s: float = 120.0  # waiting for a (re)starting decoder to encode the image
+    max_duration_s: float = 3600.0  # a session's longest run (a client may ask for less)
+    idle_timeout_s: float = 120.0  # a session with no speech this long ends (a client may ask for less)
+    max_queued_audio_s: float = 60.0  # speech received ahead of its step, at most
+    drain_timeout_s: float = 300.0  # how long a draining worker lets its live session go on
+    worker_id: str = ""  # reported in Session.worker_id
     image_limits: ImageLimits = ImageLimits()
+
+    def __post_init__(self):
+        for name in ("max_duration_s", "idle_timeout_s", "max_queued_audio_s", "ready_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.lead_chunks < 1:
+            raise ValueError(f"lead_chunks: must be >= 1, got {self.lead_chunks}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
 
 
 @dataclasses.dataclass
@@ -55,67 +70,91 @@ class WorkerContext:
     metrics: WorkerMetrics
 
 
-def session_proto(rec: SessionRecord, cfg: Config) -> pb.Session:
+def resolve_limits(requested: pb.SessionLimits, options: WorkerOptions) -> Limits:
+    """A client's limits within the worker's: 0 means the worker's, more means the worker's.
+    Raises ValueError on a negative or non-finite value."""
+    out = {}
+    for name, default in (("max_duration_s", options.max_duration_s), ("idle_timeout_s", options.idle_timeout_s)):
+        v = getattr(requested, name)
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"limits.{name}: must be a finite number of seconds >= 0 (0: the worker's {default:g}), got {v}")
+        out[name] = min(v, default) if v > 0 else default
+    return Limits(**out)
+
+
+def session_proto(rec: SessionRecord, cfg: Config, worker_id: str) -> pb.Session:
     v = cfg.video
     return pb.Session(
         session_id=rec.session_id, state=pb.SessionState.Value(rec.state), status_code=rec.status_code.value[0],
         status_message=rec.status_message, steps=rec.steps, frames=rec.frames, created_unix_ms=rec.created_unix_ms,
         width=v.width, height=v.height, fps=v.fps, frames_per_step=v.frames_per_step, prompt_tokens=rec.prompt_tokens, seed=rec.seed,
+        limits=pb.SessionLimits(max_duration_s=rec.limits.max_duration_s, idle_timeout_s=rec.limits.idle_timeout_s),
+        end_reason=pb.EndReason.Value(rec.end_reason), worker_id=worker_id,
     )
 
 
 class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
-    def __init__(self, ctx: WorkerContext, options: WorkerOptions, table: SessionTable):
-        self.ctx, self.options, self.table = ctx, options, table
+    def __init__(self, ctx: WorkerContext, options: WorkerOptions, table: SessionTable, health: WorkerHealth):
+        self.ctx, self.options, self.table, self.health = ctx, options, table, health
         self._live: LiveSession | None = None
         self._live_lock = threading.Lock()
-        self.shutting_down = threading.Event()
+        self.draining = threading.Event()
 
-    # -- unary RPCs ------------------------------------------------------------------------
-    def CreateSession(self, request, context):
+    def _proto(self, rec: SessionRecord) -> pb.Session:
+        return session_proto(rec, self.ctx.config, self.options.worker_id)
+
+    # -- opening a session (CreateSession, or Converse with `create`) -----------------------
+    def _open(self, request: pb.CreateSessionRequest, context) -> SessionRecord:
+        """Validates, takes the slot, encodes the image and prefills: the session is READY.
+        Aborts the RPC with a clear status otherwise."""
         cfg = self.ctx.config
-        if self.shutting_down.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is shutting down")
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is draining (shutting down); open the session on another worker")
         busy = self.table.live
         if busy is not None:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving session {busy.session_id} ({busy.state}); one session per worker")
         try:
             rgb = load_reference_image(request.image, cfg.video.width, cfg.video.height, self.options.image_limits)
-        except ImageError as err:
+            limits = resolve_limits(request.limits, self.options)
+        except (ImageError, ValueError) as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         prompt = request.prompt.encode("utf-8")
         if len(prompt) > cfg.cache.max_prompt_tokens:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {len(prompt)} UTF-8 bytes is over the limit of {cfg.cache.max_prompt_tokens}")
         seed = int(request.seed) or secrets.randbits(31)
         try:
-            rec = self.table.reserve(seed, len(prompt))
+            rec = self.table.reserve(seed, len(prompt), limits)
         except SlotBusy as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        fields = {"fields": {"session_id": rec.session_id, "prompt_tokens": len(prompt), "seed": seed}}
+        fields = {"fields": {"session_id": rec.session_id, "prompt_tokens": len(prompt), "seed": seed, "max_duration_s": limits.max_duration_s, "idle_timeout_s": limits.idle_timeout_s}}
         log.info("session created", extra=fields)
         try:
-            g = self.ctx.generator
             latent = self.ctx.decoder.encode(rgb, (cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels), timeout=self.options.encode_timeout_s)
             with self.ctx.generator_lock:
-                g.start_session(latent, list(prompt), seed)
+                self.ctx.generator.start_session(latent, list(prompt), seed)
         except DecoderUnavailable as err:
-            self.table.transition(rec, "FAILED", grpc.StatusCode.UNAVAILABLE, str(err))
+            self.table.transition(rec, "FAILED", grpc.StatusCode.UNAVAILABLE, str(err), "ERROR")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except Exception as err:
             log.exception("prefill failed", extra=fields)
-            self.table.transition(rec, "FAILED", grpc.StatusCode.INTERNAL, f"prefill failed: {err}")
+            self.table.transition(rec, "FAILED", grpc.StatusCode.INTERNAL, f"prefill failed: {err}", "ERROR")
             context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(err).__name__}: {err}")
         self.table.transition(rec, "READY")
+        log.info("session ready", extra=fields)
+        return rec
+
+    # -- unary RPCs ------------------------------------------------------------------------
+    def CreateSession(self, request, context):
+        rec = self._open(request, context)
         timer = threading.Timer(self.options.ready_timeout_s, self._expire_ready, args=(rec,))
         timer.daemon = True
         timer.start()
-        log.info("session ready", extra=fields)
-        return session_proto(rec, cfg)
+        return self._proto(rec)
 
     def _expire_ready(self, rec: SessionRecord) -> None:
         # Only a session still READY expires: a RUNNING one belongs to its LiveSession.
         msg = f"no Converse within {self.options.ready_timeout_s:g} s of READY"
-        if self.table.transition(rec, "CANCELLED", grpc.StatusCode.DEADLINE_EXCEEDED, msg, only_from="READY"):
+        if self.table.transition(rec, "CANCELLED", grpc.StatusCode.DEADLINE_EXCEEDED, msg, "READY_TIMEOUT", only_from="READY"):
             log.info("ready session expired", extra={"fields": {"session_id": rec.session_id}})
 
     def _lookup(self, session_id: str, context) -> SessionRecord:
@@ -125,61 +164,83 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         return rec
 
     def GetSession(self, request, context):
-        return session_proto(self._lookup(request.session_id, context), self.ctx.config)
+        return self._proto(self._lookup(request.session_id, context))
 
     def CloseSession(self, request, context):
         rec = self._lookup(request.session_id, context)
-        self.end_session(rec, "closed by the client")
-        return session_proto(rec, self.ctx.config)
+        self.end_session(rec, "closed by the client", "CLOSED")
+        return self._proto(rec)
 
-    def end_session(self, rec: SessionRecord, reason: str) -> None:
+    def end_session(self, rec: SessionRecord, message: str, reason: str) -> None:
         """READY or RUNNING -> CANCELLED; a finished session is left as it is."""
         with self._live_lock:
             live = self._live if self._live is not None and self._live.rec is rec else None
         if live is not None:
-            live.finish("CANCELLED", grpc.StatusCode.CANCELLED, reason)
+            live.finish("CANCELLED", grpc.StatusCode.CANCELLED, message, reason)
         else:
-            self.table.transition(rec, "CANCELLED", grpc.StatusCode.CANCELLED, reason)
+            self.table.transition(rec, "CANCELLED", grpc.StatusCode.CANCELLED, message, reason)
 
-    def shutdown(self) -> None:
-        """SIGTERM: refuse new sessions and end the live one as CANCELLED."""
-        self.shutting_down.set()
+    def drain(self, timeout_s: float) -> str:
+        """SIGTERM: NOT_SERVING at once, no new sessions (UNAVAILABLE); the live session goes
+        on for up to `timeout_s`, then ends CANCELLED (DRAIN_TIMEOUT). Returns what happened:
+        "idle", "finished" (the session ended within the deadline) or "cancelled"."""
+        self.draining.set()
+        self.health.drain()
+        rec = self.table.live
+        if rec is None:
+            return "idle"
+        log.info("draining", extra={"fields": {"session_id": rec.session_id, "state": rec.state, "drain_timeout_s": timeout_s}})
+        if self.table.wait_idle(timeout_s):
+            return "finished"
         rec = self.table.live
         if rec is not None:
-            self.end_session(rec, "worker shutting down")
+            self.end_session(rec, f"the worker is shutting down: the session outlived the drain timeout of {timeout_s:g} s", "DRAIN_TIMEOUT")
+        self.table.wait_idle(10.0)
+        return "cancelled"
 
     # -- the stream ------------------------------------------------------------------------
     def Converse(self, request_iterator, context):
         try:
             first = next(request_iterator)
         except StopIteration:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Converse: the first request must be `start`; the stream was empty")
-        if first.WhichOneof("event") != "start":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Converse: the first request must be `start`, got {first.WhichOneof('event')!r}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Converse: the stream was empty; the first request must be `start`")
+        kind = first.WhichOneof("event")
+        if kind != "start":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Converse: {kind or 'a request with no event'} outside a session: "
+                          "the first request must be `start` (with a session_id, or `create` with an image)")
         start = first.start
-        rec = self._lookup(start.session_id, context)
         f = start.audio_format
         try:
             check_format(PcmFormat(f.sample_rate_hz, f.channels, _ENCODINGS.get(f.encoding, "unspecified")), self.ctx.config.audio.sample_rate)
         except AudioFormatError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        v = self.ctx.config.video
-        signals = SessionSignals(v.fps, v.frames_per_step, start.playout_reports, self.options.audio_timeout_s)
-        live = LiveSession(rec, self.table, self.ctx, signals, self.options.lead_chunks)
+        which = start.WhichOneof("session")
+        if which == "create":
+            rec = self._open(start.create, context)
+        elif which == "session_id" and start.session_id:
+            rec = self._lookup(start.session_id, context)
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: needs a session_id (from CreateSession on this worker) or `create` with an image")
+        live = LiveSession(rec, self.table, self.ctx, StreamOptions(start.playout_reports, start.begin_with_speech), self.options)
         with self._live_lock:
             if not self.table.transition(rec, "RUNNING"):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {rec.session_id} is {rec.state}, not READY; create a new session")
             self._live = live
-        context.add_callback(lambda: live.finish("CANCELLED", grpc.StatusCode.CANCELLED, "client disconnected"))
-        log.info("session running", extra=live.fields(playout_reports=start.playout_reports, lead_chunks=self.options.lead_chunks))
+        gone = functools.partial(live.finish, "CANCELLED", grpc.StatusCode.CANCELLED, "the client went away (the RPC ended)", "CLIENT_GONE")
         live.start(request_iterator, context)
+        if not context.add_callback(gone):  # it ended while the session was opening
+            gone()
+            return
+        log.info("session running", extra=live.fields(playout_reports=start.playout_reports, begin_with_speech=start.begin_with_speech, lead_chunks=self.options.lead_chunks))
+        yield pb.ConverseResponse(session=self._proto(rec))
         while True:
             item = live.out.get()
-            if item[0] == "chunk":
+            if item[0] == "msg":
                 yield item[1]
                 continue
-            _, state, code, message = item
-            yield pb.ConverseResponse(session_event=pb.SessionEvent(state=pb.SessionState.Value(state), message=message, steps=rec.steps))
+            _, state, code, message, reason = item
+            yield pb.ConverseResponse(session_event=pb.SessionEvent(state=pb.SessionState.Value(state), message=message, steps=rec.steps,
+                                                                    end_reason=pb.EndReason.Value(reason), frames=rec.frames))
             if code != grpc.StatusCode.OK:
                 context.abort(code, message)
             return

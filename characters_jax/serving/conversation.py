@@ -1,0 +1,429 @@
+"""What one live session's threads share: the speech timeline, the client's playback clock,
+the session's limits and its speech events, under one condition variable.
+
+The step loop asks `next_step(s)`, which returns when step s may run (its audio placed on
+the timeline) or when the session has to end:
+  - step s runs when it is less than `lead` steps ahead of the client's playback (the
+    client's PlayoutReports, or the wall clock since the first chunk was sent);
+  - its audio is the queued speech, and silence where none is queued; inside a segment
+    that is still arriving the step waits for the speech, but only until playback comes
+    within `margin` steps of it (margin: the recent step cost in steps + 0.25, so the chunk
+    still arrives in time): then silence is inserted, and the video never stops;
+  - with `begin_with_speech`, nothing runs before the first speech.
+Waiting is on the condition variable with timeouts computed from the clocks and the
+limits, never a fixed sleep after a step. Every state change notifies it.
+
+Speech events (`Note`) go out through `emit(item)`, always called under the lock, so their
+order with the chunks (`emit_chunk`) is the order of the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from characters_jax.audio.speech import Segment, SpeechTimeline, StepAudio
+from characters_jax.audio.timeline import Timeline
+
+STARTED, STOPPED, FINISHED, INTERRUPTED = "SPEAKING_STARTED", "SPEAKING_STOPPED", "PLAYBACK_FINISHED", "INTERRUPTED"
+RUN = "run"
+
+
+class AudioAfterEnd(Exception):
+    """Audio or end of speech after end of audio."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_duration_s: float
+    idle_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A speech event (the SpeechEvent message, without the protocol)."""
+
+    kind: str
+    segment: int
+    position: int  # timeline sample
+    segment_samples: int = 0
+    interrupted: bool = False
+    played_samples: int = 0  # INTERRUPTED: samples of the playback timeline played
+    resume_step: int = 0  # INTERRUPTED: the next step the stream carries
+
+
+@dataclasses.dataclass(frozen=True)
+class End:
+    """Why the step loop stops: reason is an EndReason name, or "CANCELLED" (someone else
+    ends the session)."""
+
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """Step s as placed: its audio, the front end's window over the timeline [window_samples]
+    float32, and the notes that go before / after its chunk."""
+
+    step: int
+    audio: StepAudio
+    window: np.ndarray
+    before: list[Note]
+    after: list[Note]
+
+
+class PlaybackClock:
+    """The client's playback position in frames of the playback timeline (the session's
+    timeline less the frames that interrupts dropped: `skipped`).
+
+    With reports it is the client's frames_played; without, the wall clock at fps from the
+    first chunk sent. Either way never more than the frames sent: a client that ran out
+    waits for the next frame, and so does the estimate."""
+
+    def __init__(self, fps: int, reports: bool):
+        self.fps, self.reports = fps, reports
+        self.sent = 0  # playback frames sent
+        self.reported = 0
+        self.underruns = 0
+        self.skipped = 0  # timeline frames dropped by interrupts
+        self._t0: float | None = None  # estimate: when playback frame 0 played
+
+    @property
+    def started(self) -> bool:
+        """Whether playback has begun (a reported frame; without reports, a chunk sent)."""
+        return self.reported > 0 if self.reports else self._t0 is not None
+
+    def on_sent(self, frames: int, now: float) -> None:
+        if self._t0 is None:
+            self._t0 = now
+        else:
+            self.played(now)  # a client that ran out resumes from now
+        self.sent += frames
+
+    def report(self, frames_played: int, underruns: int) -> int:
+        """Returns the number of new underruns."""
+        new = max(0, underruns - self.underruns)
+        self.underruns = max(self.underruns, underruns)
+        self.reported = max(self.reported, min(frames_played, self.sent))
+        return new
+
+    def played(self, now: float) -> float:
+        if self.reports:
+            return float(self.reported)
+        if self._t0 is None:
+            return 0.0
+        est = (now - self._t0) * self.fps
+        if est > self.sent:  # the client ran out and waits for the next frame
+            self._t0 = now - self.sent / self.fps
+            est = float(self.sent)
+        return est
+
+    def truncate(self, played: int, now: float) -> None:
+        """After an interrupt: the client dropped every frame it held past `played` and
+        waits for the next one."""
+        self.sent = played
+        self.reported = min(self.reported, played)
+        self.played(now)
+
+    def timeline_frames(self, now: float) -> float:
+        return self.played(now) + self.skipped
+
+    def time_until(self, timeline_frames: float, now: float) -> float | None:
+        """Seconds until the position reaches `timeline_frames` by the estimate; None when
+        only a report or a sent chunk can get it there (they notify)."""
+        if self.reports or self._t0 is None:
+            return None
+        target = timeline_frames - self.skipped
+        if target > self.sent:
+            return None
+        return max(0.0, self._t0 + target / self.fps - now)
+
+
+class Conversation:
+    def __init__(self, timeline: Timeline, window: Callable, *, lead: int, playout_reports: bool, begin_with_speech: bool,
+                 limits: Limits, max_queued_samples: int, history_samples: int, emit: Callable, now: Callable[[], float] = time.monotonic):
+        """window(read, s) -> step s's front-end window (AudioFrontEnd.window); emit(item)
+        puts a Note or a chunk on the stream (called under the lock)."""
+        self.cond = threading.Condition()
+        self.tl, self.window, self.lead = timeline, window, lead
+        self.begin_with_speech, self.limits = begin_with_speech, limits
+        self.speech = SpeechTimeline(max_queued_samples, history_samples)
+        self.clock = PlaybackClock(timeline.fps, playout_reports)
+        self._emit, self.now = emit, now
+        self.started_at = now()
+        self.deadline = self.started_at + limits.max_duration_s
+        self.idle_since = self.started_at
+        self.next_step_index = 0  # steps placed so far
+        self.plans: dict[int, StepPlan] = {}  # placed, chunk not yet sent
+        self.ended: End | None = None  # set by cancel
+        self.audio_ended = False
+        self.speech_seen = False
+        self.skipped_samples = 0
+        self.step_cost_s = 0.0  # recent diffusion + decode per chunk (EMA)
+        self._segments: dict[int, Segment] = {}  # segments without PLAYBACK_FINISHED
+        self._emitted: dict[int, set[str]] = {}  # segment -> kinds emitted
+        self._pending: list[Note] = []  # notes for before the next chunk
+
+    # -- the client's requests (reader thread) -------------------------------------------
+    def push_audio(self, pcm: np.ndarray) -> None:
+        """Raises SpeechQueueFull, AudioAfterEnd."""
+        with self.cond:
+            if self.audio_ended:
+                raise AudioAfterEnd("audio after end_of_audio")
+            if len(pcm) == 0:
+                return
+            seg = self.speech.push(pcm)
+            self._segments.setdefault(seg.number, seg)
+            self.speech_seen = True
+            self.idle_since = self.now()
+            self.cond.notify_all()
+
+    def end_speech(self) -> None:
+        with self.cond:
+            if self.audio_ended:
+                raise AudioAfterEnd("end_of_speech after end_of_audio")
+            self._end_segment()
+            self.idle_since = self.now()
+            self.cond.notify_all()
+
+    def end_audio(self) -> None:
+        with self.cond:
+            self.audio_ended = True
+            self._end_segment()
+            self.cond.notify_all()
+
+    def report_playout(self, frames_played: int, underruns: int) -> int:
+        """Returns the number of new underruns."""
+        with self.cond:
+            new = self.clock.report(frames_played, underruns)
+            self._check_playback(self.now())
+            self.cond.notify_all()
+            return new
+
+    def interrupt(self, frames_played: int | None = None, underruns: int = 0) -> Note:
+        """Drops the queued speech and every step placed but not sent; emits INTERRUPTED at
+        the playback position (the client's `frames_played` when given), then the cut
+        segments' SPEAKING_STOPPED / PLAYBACK_FINISHED. Returns the INTERRUPTED note."""
+        with self.cond:
+            now = self.now()
+            if frames_played is not None:
+                self.clock.report(frames_played, underruns)
+            played = math.floor(self.clock.played(now))
+            at = played + self.clock.skipped  # timeline frame
+            position = self.tl.frame_start(at)
+            resume = self.next_step_index
+            was_open = self.speech.open_segment
+            self.speech.drop_queued()
+            self.plans.clear()
+            self._pending.clear()
+            notes, cut = [], None
+            for seg in sorted(self._segments.values(), key=lambda x: x.number):
+                played_n = seg.samples_before(position)
+                if seg is not was_open and seg.dropped == 0 and seg.end is not None and seg.end <= position:  # it had played out
+                    notes += self._stop_once(seg, seg.end, seg.placed, False)
+                    notes.append(Note(FINISHED, seg.number, seg.end, seg.placed))
+                    continue
+                lo = seg.start if seg.start is not None else position
+                at_seg = min(max(position, lo), seg.end if seg.end is not None else position)
+                if seg.start is not None and seg.start < position:
+                    cut = (seg, played_n)
+                if STARTED in self._emitted.get(seg.number, ()):
+                    notes += self._stop_once(seg, at_seg, played_n, True)
+                notes.append(Note(FINISHED, seg.number, at_seg, played_n, interrupted=True))
+            skip = max(0, resume * self.tl.frames_per_step - at)
+            ack = Note(INTERRUPTED, cut[0].number if cut else 0, position, cut[1] if cut else 0,
+                       played_samples=position - self.skipped_samples, resume_step=resume)
+            self.clock.skipped += skip
+            self.skipped_samples += self.tl.frame_start(at + skip) - position
+            self.clock.truncate(played, now)
+            for note in [ack] + notes:
+                self._note(note)
+            self.idle_since = now
+            self.cond.notify_all()
+            return ack
+
+    def cancel(self, end: End) -> bool:
+        """Stops the step loop (the first reason wins). Returns False if already ended."""
+        with self.cond:
+            if self.ended is not None:
+                return False
+            self.ended = end
+            self.cond.notify_all()
+            return True
+
+    # -- the step loop -------------------------------------------------------------------
+    def next_step(self, s: int) -> StepPlan | End:
+        """Blocks until step s may run (returns its plan) or the session ends (End)."""
+        with self.cond:
+            while True:
+                decision = self.decide(s, self.now())
+                if decision is RUN:
+                    return self._place(s)
+                if isinstance(decision, End):
+                    return decision
+                self.cond.wait(decision)
+
+    def decide(self, s: int, now: float) -> End | float | None | str:
+        """What next_step(s) does at time `now`, without waiting: RUN (step s runs now), an
+        End, or a wait of at most that many seconds (None: until notified) before deciding
+        again. Call under the lock (next_step does)."""
+        if self.ended is not None:
+            return self.ended
+        if now >= self.deadline:
+            return End("MAX_DURATION", f"max_duration of {self.limits.max_duration_s:g} s reached")
+        self._check_playback(now)
+        if self._speech_pending(now):
+            self.idle_since = now
+        elif now - self.idle_since >= self.limits.idle_timeout_s:
+            return End("IDLE_TIMEOUT", f"idle_timeout: no speech for {self.limits.idle_timeout_s:g} s")
+        if self.audio_ended and self.speech.queued == 0:
+            return End("END_OF_AUDIO", "end of audio")
+        wakes = [self.deadline - now, self.idle_since + self.limits.idle_timeout_s - now, self._next_finish(now)]
+        if self.begin_with_speech and not self.speech_seen:
+            return _soonest(wakes)
+        per = self.tl.frames_per_step
+        ahead = s - self.clock.timeline_frames(now) / per
+        if ahead >= self.lead:
+            return _soonest(wakes + [self.clock.time_until((s - self.lead) * per + 1e-3, now)])
+        n = self.tl.step_span(s)[1] - self.tl.step_span(s)[0]
+        if self.speech.must_wait(n) and not self.audio_ended:
+            margin = self.margin
+            if self.clock.started and ahead < margin:
+                return RUN  # the speech is late: silence goes in, the video goes on
+            return _soonest(wakes + [self.clock.time_until((s - margin) * per + 1e-3, now)])
+        return RUN
+
+    @property
+    def margin(self) -> float:
+        """Steps of playback lead below which a late segment gets silence instead of a wait."""
+        return min(max(self.lead - 0.5, 0.25), 0.25 + self.step_cost_s / self.tl.step_seconds)
+
+    def _place(self, s: int) -> StepPlan:
+        a, b = self.tl.step_span(s)
+        if a != self.speech.position:
+            raise RuntimeError(f"step {s} starts at sample {a}, the timeline is at {self.speech.position}")
+        audio = self.speech.take(b - a, end_of_audio=self.audio_ended)
+        plan = StepPlan(s, audio, self.window(self.speech.history, s), self._pending, [])
+        self._pending = []
+        for seg in audio.started:
+            (plan.before if seg.start == a else plan.after).append(Note(STARTED, seg.number, seg.start))
+        for seg in audio.completed:
+            plan.after.append(Note(STOPPED, seg.number, seg.end, seg.placed))
+        self.plans[s] = plan
+        self.next_step_index = s + 1
+        return plan
+
+    # -- chunks going out (decoder link thread) ------------------------------------------
+    def emit_chunk(self, step: int, frames: int, build: Callable[[StepPlan, int], object]) -> bool:
+        """Sends step's chunk, `build(plan, first playback frame)`, between its notes.
+        Returns False when an interrupt dropped the step."""
+        with self.cond:
+            plan = self.plans.pop(step, None)
+            if plan is None:
+                return False
+            first = step * self.tl.frames_per_step - self.clock.skipped
+            for note in plan.before:
+                self._note(note)
+            self._emit(build(plan, first))
+            for note in plan.after:
+                self._note(note)
+            self.clock.on_sent(frames, self.now())
+            self.cond.notify_all()
+            return True
+
+    def note_step_cost(self, seconds: float) -> None:
+        with self.cond:
+            self.step_cost_s = seconds if self.step_cost_s == 0 else 0.8 * self.step_cost_s + 0.2 * seconds
+
+    def wait_played_out(self, timeout: float) -> bool:
+        """Waits (at most `timeout`, and not past max_duration) until the client has played
+        every frame sent. Returns whether it has."""
+        with self.cond:
+            limit = min(self.now() + timeout, self.deadline)
+            while True:
+                now = self.now()
+                self._check_playback(now)
+                done = self.clock.played(now) >= self.clock.sent
+                if done or self.ended is not None or now >= limit:
+                    return done
+                self.cond.wait(_soonest([limit - now, self.clock.time_until(self.clock.sent + self.clock.skipped, now)]))
+
+    def close_segments(self) -> None:
+        """At the session's end: every segment without PLAYBACK_FINISHED gets it (interrupted
+        unless it had played out), after its SPEAKING_STOPPED."""
+        with self.cond:
+            now = self.now()
+            for note in self._pending:
+                self._note(note)
+            self._pending = []
+            self._check_playback(now)
+            position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+            for seg in sorted(self._segments.values(), key=lambda x: x.number):
+                played_n = seg.samples_before(position)
+                at = min(max(position, seg.start or 0), seg.end if seg.end is not None else position)
+                if STARTED in self._emitted.get(seg.number, ()):
+                    for note in self._stop_once(seg, at, played_n, True):
+                        self._note(note)
+                self._note(Note(FINISHED, seg.number, at, played_n, interrupted=True))
+
+    # -- helpers (under the lock) --------------------------------------------------------
+    def _end_segment(self) -> None:
+        seg = self.speech.end_segment()
+        if seg is not None and seg.complete and seg.spans:  # its last sample was already placed
+            self._pending += self._stop_once(seg, seg.end, seg.placed, False)
+
+    def _stop_once(self, seg: Segment, position: int, samples: int, interrupted: bool) -> list[Note]:
+        """SPEAKING_STOPPED for seg unless it is emitted or already planned."""
+        planned = any(n.kind == STOPPED and n.segment == seg.number for plan in self.plans.values() for n in plan.after)
+        planned = planned or any(n.kind == STOPPED and n.segment == seg.number for n in self._pending)
+        if STOPPED in self._emitted.get(seg.number, ()) or planned:
+            return []
+        return [Note(STOPPED, seg.number, position, samples, interrupted)]
+
+    def _note(self, note: Note) -> None:
+        if note.kind in (STARTED, STOPPED, FINISHED):
+            kinds = self._emitted.setdefault(note.segment, set())
+            if note.kind in kinds:
+                return
+            kinds.add(note.kind)
+        if note.kind == FINISHED:
+            self._segments.pop(note.segment, None)
+            self._emitted.pop(note.segment, None)
+        self._emit(note)
+
+    def _check_playback(self, now: float) -> None:
+        """PLAYBACK_FINISHED for every segment whose end playback has passed."""
+        if not self._segments:
+            return
+        position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+        for seg in sorted(self._segments.values(), key=lambda x: x.number):
+            if seg.complete and seg.dropped == 0 and seg.end is not None and seg.end <= position \
+                    and STOPPED in self._emitted.get(seg.number, ()):
+                self._note(Note(FINISHED, seg.number, seg.end, seg.placed))
+                self.idle_since = now
+
+    def _next_finish(self, now: float) -> float | None:
+        """Seconds until the next PLAYBACK_FINISHED by the estimated clock (None: none due)."""
+        times = [self.clock.time_until(self.tl.frames_for(seg.end), now) for seg in self._segments.values()
+                 if seg.complete and seg.end is not None and STOPPED in self._emitted.get(seg.number, ())]
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
+    def _speech_pending(self, now: float) -> bool:
+        """Speech queued, or placed and not yet played."""
+        if self.speech.queued:
+            return True
+        position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+        return any(seg.end is not None and seg.end > position for seg in self._segments.values())
+
+
+def _soonest(times) -> float | None:
+    """The smallest of the given waits (None entries ignored; None if all are), at least 1 ms."""
+    times = [t for t in times if t is not None]
+    return max(min(times), 1e-3) if times else None
