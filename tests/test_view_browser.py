@@ -83,7 +83,7 @@ class Browser:
                 f"--use-file-for-fake-audio-capture={fake_mic_wav}", "--allow-loopback-in-peer-connection", "--autoplay-policy=no-user-gesture-required",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run", "--no-default-browser-check",
                 "--disable-breakpad", "--disable-extensions", "--mute-audio", f"--user-data-dir={self.profile}", "--remote-debugging-port=0",
-                "--window-size=1200,660", "about:blank"]
+                "--window-size=1200,720", "about:blank"]
         self.log = open(tmp / "chromium.log", "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._ids = itertools.count(1)
@@ -138,7 +138,8 @@ class Browser:
 
     async def click(self, selector: str) -> None:
         """A real mouse click (press and release) at the element's centre: a user gesture."""
-        x, y = await self.eval(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+        x, y = await self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView({{block: 'center'}}); "
+                               "const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
         for kind in ("mousePressed", "mouseReleased"):
             await self.cmd("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
@@ -197,14 +198,15 @@ def mp4_path_click_latency(address: str, seconds_periods: int = 2) -> dict:
 
 
 def window_fps(stats: list[dict], presented: list, t_from: float, seconds: float) -> tuple[float, float, float]:
-    """(decoded fps from getStats, presented fps from requestVideoFrameCallback, window length)
-    over the first `seconds` of polls after t_from (page clock, ms)."""
+    """(decoded fps from getStats' framesDecoded, presented fps from requestVideoFrameCallback's
+    presentedFrames, window length s) over the first `seconds` of polls from t_from (page clock, ms)."""
     polls = [s for s in stats if s["t"] >= t_from and s.get("framesDecoded") is not None]
     a = polls[0]
     b = next(s for s in polls if s["t"] - a["t"] >= seconds * 1000)
     span = (b["t"] - a["t"]) / 1000
-    shown = sum(1 for p in presented if a["t"] <= p[2] < b["t"])
-    return (b["framesDecoded"] - a["framesDecoded"]) / span, shown / span, span
+    inside = [p for p in presented if a["t"] <= p[2] <= b["t"]]
+    shown = (inside[-1][3] - inside[0][3]) / ((inside[-1][2] - inside[0][2]) / 1000)
+    return (b["framesDecoded"] - a["framesDecoded"]) / span, shown, span
 
 
 async def _session_in_browser(tmp: pathlib.Path) -> dict:
@@ -256,6 +258,7 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
         t_window = m["tFirstFrame"] + 500  # the window starts half a second after the first frame
         await browser.wait_for(f"(() => {{ const s = window.viewer.metrics().stats; return s.length && s[s.length - 1].t > {t_window + 10_500}; }})()", 20,
                                "the page stopped polling its stats")
+        await browser.wait_for("window.viewer.metrics().frameLatencies.length >= 4", 6, "fewer than 4 clicks came back on a frame")
         m = await browser.eval("window.viewer.metrics()")
         png = await browser.screenshot()
         rects = await browser.eval("(() => { const v = document.getElementById('video').getBoundingClientRect(); const r = document.getElementById('reference'); "
@@ -263,6 +266,7 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
 
         decoded_fps, presented_fps, span = window_fps(m["stats"], m["presented"], t_window, 10.0)
         last = m["stats"][-1]
+        report["stats_series"] = [[round(s["t"] - m["tFirstFrame"]), s.get("framesDecoded"), round(s.get("jitterBufferMs") or 0)] for s in m["stats"]]
         report.update(decoded_fps=round(decoded_fps, 2), presented_fps=round(presented_fps, 2), window_s=round(span, 2), state=m["state"],
                       frame_index_from=m["frameIndexFrom"], gateway_playout=m["playout"], browser_freezes=last.get("freezeCount"),
                       browser_jitter_buffer_ms=last.get("jitterBufferMs"), voice_samples_received=last.get("audioSamples"),
@@ -319,10 +323,10 @@ def test_view_live_in_headless_chromium(tmp_path):
     # and the two agree (the browser keeps the voice in sync with the frames that carry it).
     assert r["frame_index_from"] == "rtp"
     frames, to_frame, to_voice = r["click_frames"], r["click_to_frame_ms"], r["click_to_voice_ms"]
-    assert len(to_frame) >= 3 and len(to_voice) >= 3, r
+    assert len(to_frame) >= 4 and len(to_voice) >= 3, r
     assert all(np.diff(frames) == round(CLICK_PERIOD_S * 24)), frames  # one onset per click, none from the speech
     assert all(100 < x < 1500 for x in to_frame + to_voice), r
-    assert abs(np.median(to_frame) - np.median(to_voice)) < 120, r
+    assert abs(np.median(to_frame) - np.median(to_voice)) < 250, r  # lip sync within what viewers accept, and no click mistaken for another
     assert all(x < 1.0 for x in r["mp4_path"]["click_to_chunk_s"]) and r["mp4_path"]["final_state"] == "COMPLETED", r
 
     # The screenshot shows the page with the live video and the reference face.

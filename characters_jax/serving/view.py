@@ -39,6 +39,13 @@ import tempfile
 import time
 
 import numpy as np
+from aiohttp import web
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from characters_jax.serving.images import ImageError, load_reference_image
+from characters_jax.serving.view_link import ChunkEvent, LinkError, WorkerLink
+from characters_jax.serving.view_media import CharacterAudioTrack, CharacterVideoTrack, MicResampler, Playout, Upsampler
 
 log = logging.getLogger("characters_jax.serving.view")
 
@@ -138,10 +145,6 @@ class ViewerBridge:
     """One page: its peer connection, its worker session, and the media between them."""
 
     def __init__(self, worker_address: str, options: BridgeOptions, on_closed=None):
-        from aiortc import RTCConfiguration, RTCPeerConnection
-
-        from characters_jax.serving.view_link import WorkerLink
-
         self.options = options
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: nothing leaves the host
         self.link = WorkerLink(worker_address)
@@ -159,31 +162,44 @@ class ViewerBridge:
 
     # -- set-up ------------------------------------------------------------------------------
     async def answer(self, offer_sdp: str, image: bytes, prompt: str) -> str:
-        """Opens the worker session and answers the page's offer. Raises OfferError or LinkError."""
-        from aiortc import RTCSessionDescription
-
-        from characters_jax.serving.view_media import CharacterAudioTrack, CharacterVideoTrack, Playout
-
+        """Opens the worker session and answers the page's offer (the two at once). Raises
+        OfferError or LinkError."""
+        t0 = time.monotonic()
         sdp = loopback_offer(offer_sdp)
-        session = await self.link.open(image, prompt)
         o = self.options
         if o.audio_rate % 16000:
             raise OfferError(f"the voice track's rate must be a multiple of 16000 Hz, got {o.audio_rate}")
-        self.playout = Playout(session.fps, o.audio_rate, o.prebuffer_chunks * session.frames_per_step)
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-        kinds = {t.kind for t in self.pc.getTransceivers()}
-        if kinds != {"audio", "video"}:
-            raise OfferError(f"the offer must have one audio (microphone up, voice down) and one video transceiver, got {sorted(kinds)}")
+        marks = {}
+
+        async def open_session():
+            s = await self.link.open(image, prompt)
+            marks["session_ms"] = round((time.monotonic() - t0) * 1e3, 1)
+            return s
+
+        async def take_offer():
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            kinds = sorted(t.kind for t in self.pc.getTransceivers())
+            if kinds != ["audio", "video"]:
+                raise OfferError(f"the offer must have one audio (microphone up, voice down) and one video transceiver, got {kinds}")
+            marks["offer_ms"] = round((time.monotonic() - t0) * 1e3, 1)
+
+        opening = asyncio.ensure_future(open_session())
+        try:
+            await take_offer()
+        finally:
+            session = await opening  # a LinkError wins over an OfferError: the page is told about the worker first
+        self.playout = Playout(session.fps, o.audio_rate, o.prebuffer_chunks * session.frames_per_step, session.frames_per_step)
         self.pc.addTrack(CharacterVideoTrack(self.playout, on_frame=self._on_frame_sent))
         self.pc.addTrack(CharacterAudioTrack(self.playout))
         await gather_on(self.pc, LOOPBACK)
         await self.pc.setLocalDescription(await self.pc.createAnswer())
+        marks["answer_ms"] = round((time.monotonic() - t0) * 1e3, 1)
         await self.link.start()
         self._spawn(self._pump_worker())
         self._spawn(self._pump_stats())
         self._spawn(self._watch_connect())
         self.send({"type": "session", "session_id": session.session_id, "width": session.width, "height": session.height, "fps": session.fps,
-                   "frames_per_step": session.frames_per_step, "prebuffer_frames": self.playout.prebuffer})
+                   "frames_per_step": session.frames_per_step, "prebuffer_frames": self.playout.prebuffer, "gateway_ms": marks})
         self.send({"type": "state", "state": "RUNNING"})
         return self.pc.localDescription.sdp
 
@@ -230,10 +246,6 @@ class ViewerBridge:
             await self.close(f"no microphone track within {self.options.connect_timeout_s:g} s of the answer")
 
     async def _pump_mic(self, track) -> None:
-        from aiortc.mediastreams import MediaStreamError
-
-        from characters_jax.serving.view_media import MicResampler
-
         resample = MicResampler(16000)
         timeout = self.options.connect_timeout_s
         try:
@@ -249,9 +261,6 @@ class ViewerBridge:
             await self.close("the page's microphone track ended")
 
     async def _pump_worker(self) -> None:
-        from characters_jax.serving.view_link import ChunkEvent
-        from characters_jax.serving.view_media import Upsampler
-
         up = Upsampler(self.options.audio_rate // 16000)
         fps = self.link.session.fps
         final = None
@@ -273,7 +282,7 @@ class ViewerBridge:
         while not self.closed.is_set():
             p = self.playout
             self.send({"type": "playout", "frames_played": p.frames_played, "underruns": p.underruns, "buffered_frames": p.buffered_frames,
-                       "stalled_s": round(p.stalled_s, 3)})
+                       "stalled_s": round(p.stalled_s, 3), "catchups": p.catchups, "mic_samples": self.link.sent_samples})
             await asyncio.sleep(self.options.stats_period_s)
 
     def _on_frame_sent(self, index: int) -> None:
@@ -367,8 +376,6 @@ class Gateway:
         self.bridge: ViewerBridge | None = None
 
     def app(self):
-        from aiohttp import web
-
         app = web.Application(client_max_size=MAX_OFFER_BYTES)
         app.router.add_get("/", self._index)
         app.router.add_get("/static/{name}", self._static)
@@ -380,13 +387,9 @@ class Gateway:
         return app
 
     async def _index(self, request):
-        from aiohttp import web
-
         return web.FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-store"})
 
     async def _static(self, request):
-        from aiohttp import web
-
         name = request.match_info["name"]
         path = WEB_DIR / name
         if "/" in name or name.startswith(".") or not path.is_file() or path.suffix not in STATIC_TYPES:
@@ -394,22 +397,14 @@ class Gateway:
         return web.FileResponse(path, headers={"Content-Type": STATIC_TYPES[path.suffix], "Cache-Control": "no-store"})
 
     async def _reference(self, request):
-        from aiohttp import web
-
         return web.Response(body=self.reference_image, content_type="image/png")
 
     async def _status(self, request):
-        from aiohttp import web
-
         w = self.worker
         return web.json_response({"worker": w.state, "address": w.address, "message": w.message, "busy": self.bridge is not None})
 
     async def _image(self, request):
         """Checks an uploaded reference image as the worker will (decode, size limits)."""
-        from aiohttp import web
-
-        from characters_jax.serving.images import ImageError, load_reference_image
-
         data = await request.read()
         try:
             load_reference_image(data, 64, 64)
@@ -418,10 +413,6 @@ class Gateway:
         return web.json_response({"ok": True, "bytes": len(data)})
 
     async def _offer(self, request):
-        from aiohttp import web
-
-        from characters_jax.serving.view_link import LinkError
-
         try:
             body = await request.json()
             sdp = body["sdp"]
@@ -455,8 +446,6 @@ class Gateway:
 
 async def serve_gateway(gateway: Gateway, port: int, started=None) -> None:
     """Serves until cancelled. started(port) is called once the gateway listens."""
-    from aiohttp import web
-
     runner = web.AppRunner(gateway.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, LOOPBACK, port)

@@ -14,6 +14,7 @@ Everything that knows the proto lives here; the rest of the gateway sees plain e
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import time
 
@@ -73,8 +74,9 @@ class WorkerLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
         self.session: SessionInfo | None = None
-        self._sent_samples = 0
-        self._send_log: list[tuple[int, float]] = []  # (end sample, monotonic time) of each audio send
+        self.sent_samples = 0
+        self._send_ends: list[int] = []  # end sample of each audio send not yet carried by a chunk
+        self._send_times: list[float] = []  # its monotonic time
         self._finished = False
 
     async def open(self, image: bytes, prompt: str = "", seed: int = 0, timeout: float = 180.0) -> SessionInfo:
@@ -101,8 +103,9 @@ class WorkerLink:
         """16 kHz mono s16le, whole samples."""
         if not pcm or self._finished:
             return
-        self._sent_samples += len(pcm) // 2
-        self._send_log.append((self._sent_samples, time.monotonic()))
+        self.sent_samples += len(pcm) // 2
+        self._send_ends.append(self.sent_samples)
+        self._send_times.append(time.monotonic())
         self._outbox.put_nowait(pb.ConverseRequest(audio=pb.ConverseRequest.AudioChunk(pcm=pcm)))
 
     def report_playout(self, frames_played: int, underruns: int) -> None:
@@ -110,15 +113,11 @@ class WorkerLink:
             self._outbox.put_nowait(pb.ConverseRequest(playout=pb.ConverseRequest.PlayoutReport(frames_played=frames_played, underruns=underruns)))
 
     def _sample_send_time(self, sample: int) -> float | None:
-        """When the audio holding `sample` was sent (None if it was not sent by this link)."""
-        lo, hi = 0, len(self._send_log)
-        while lo < hi:  # first send whose end is past `sample`
-            mid = (lo + hi) // 2
-            if self._send_log[mid][0] > sample:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self._send_log[lo][1] if lo < len(self._send_log) else None
+        """When the audio holding `sample` was sent (None if not sent by this link). Chunks come
+        in order, so the sends before `sample` are forgotten."""
+        i = bisect.bisect_right(self._send_ends, sample)
+        del self._send_ends[:i], self._send_times[:i]
+        return self._send_times[0] if self._send_times else None
 
     async def events(self):
         """ChunkEvent per step, then one StateEvent (COMPLETED, FAILED or CANCELLED)."""

@@ -6,8 +6,11 @@ voice played out on one clock as WebRTC tracks.
   exactly `ratio` output samples per input sample, so sample positions stay frame-aligned.
 - `Playout`: a jitter buffer of the worker's chunks and the clock both tracks read. Frame k
   plays at media time k / fps and audio sample p at p / rate; media time m is due at wall
-  time t0 + stalled + m. Playback starts once `prebuffer_frames` frames are in; a frame (or
-  audio) not there when due is an underrun: the clock stalls until it arrives, never skips.
+  time t0 + shift + m. Playback starts once `prebuffer_frames` frames are in; a frame (or
+  audio) not there when due is an underrun: the clock stalls until it arrives (shift grows).
+  A buffer that has held more than `prebuffer_frames + catchup_frames` for `catchup_after_s`
+  (chunks that came in a burst after a late start or a stall) drops its oldest
+  `catchup_frames` frames and their audio, so latency returns to the target (shift shrinks).
 - `CharacterVideoTrack` / `CharacterAudioTrack`: aiortc tracks that hand out one frame every
   1 / fps and one 20 ms audio packet every 20 ms, at their due times, never in bursts.
 """
@@ -83,8 +86,10 @@ class Playout:
     tracks call next_frame() / next_audio(); both wait for their due time on the same clock.
     `frames_played` and `underruns` are what the gateway reports to the worker."""
 
-    def __init__(self, fps: int = 24, audio_rate: int = 48000, prebuffer_frames: int = 8, clock=time.monotonic):
+    def __init__(self, fps: int = 24, audio_rate: int = 48000, prebuffer_frames: int = 8, catchup_frames: int = 4,
+                 catchup_after_s: float = 1.0, clock=time.monotonic):
         self.fps, self.audio_rate, self.prebuffer = fps, audio_rate, prebuffer_frames
+        self.catchup_frames, self.catchup_after_s = catchup_frames, catchup_after_s
         self.clock = clock
         self._cond = asyncio.Condition()
         self._frames: dict[int, np.ndarray] = {}
@@ -94,9 +99,13 @@ class Playout:
         self._next_frame = 0
         self._next_audio = 0  # absolute sample index of the next audio packet
         self.t0: float | None = None
+        self.shift_s = 0.0  # total stall time minus total time dropped by catch-ups
         self.stalled_s = 0.0
         self._stall_start: float | None = None
+        self._over_since: float | None = None  # since when the buffer holds more than the target
+        self._audio_skips: list[tuple[int, int]] = []  # (first sample, samples) dropped by catch-ups, for the audio track
         self.underruns = 0
+        self.catchups = 0
         self.frames_played = 0
         self.ended = False
         self.started = asyncio.Event()
@@ -112,6 +121,7 @@ class Playout:
             now = self.clock()
             if self._stall_start is not None:
                 self.stalled_s += now - self._stall_start
+                self.shift_s += now - self._stall_start
                 self._stall_start = None
             if self.t0 is None and self._frames_in >= self.prebuffer:
                 self._start(now)
@@ -133,7 +143,7 @@ class Playout:
     # -- clock -------------------------------------------------------------------------------
     def due(self, media_s: float) -> float:
         """Wall time (of `clock`) at which media time `media_s` plays."""
-        return self.t0 + self.stalled_s + media_s
+        return self.t0 + self.shift_s + media_s
 
     @property
     def buffered_frames(self) -> int:
@@ -163,10 +173,32 @@ class Playout:
                 await self._cond.wait()
 
     # -- consumers ---------------------------------------------------------------------------
+    def _catch_up(self, k: int) -> int:
+        """Drops frames [k, k + catchup_frames) and their audio when the buffer has been over
+        its target for catchup_after_s. Returns the next frame to play."""
+        now = self.clock()
+        if self._frames_in - k <= self.prebuffer + self.catchup_frames:
+            self._over_since = None
+            return k
+        if self._over_since is None:
+            self._over_since = now
+            return k
+        if now - self._over_since < self.catchup_after_s:
+            return k
+        for i in range(k, k + self.catchup_frames):
+            self._frames.pop(i, None)
+        self._over_since = None
+        self.catchups += 1
+        self.shift_s -= self.catchup_frames / self.fps
+        start = k * self.audio_rate // self.fps
+        self._audio_skips.append((start, (k + self.catchup_frames) * self.audio_rate // self.fps - start))
+        return k + self.catchup_frames
+
     async def next_frame(self) -> tuple[int, np.ndarray]:
         """(frame index, [H, W, 3] uint8), returned at the frame's due time."""
         k = self._next_frame
         await self._wait_due(k / self.fps)
+        k = self._catch_up(k)
         await self._wait_for(lambda: k < self._frames_in)
         self._next_frame = k + 1
         self.frames_played = k + 1
@@ -176,7 +208,12 @@ class Playout:
         """(first sample index, [samples] int16), returned at its due time. The last packet of
         a session is padded with silence."""
         p = self._next_audio
-        await self._wait_due(p / self.audio_rate)
+        while True:
+            while self._audio_skips and p + samples > self._audio_skips[0][0]:  # a catch-up dropped this span
+                p += self._audio_skips.pop(0)[1]
+            await self._wait_due(p / self.audio_rate)
+            if not (self._audio_skips and p + samples > self._audio_skips[0][0]):
+                break
         try:
             await self._wait_for(lambda: self._audio_base + self._audio.size >= p + samples)
         except PlayoutEnded:

@@ -39,7 +39,7 @@
       pc: null, dc: null, ctx: null, micStream: null, remote: new MediaStream(),
       tConnect: performance.now(), tFirstFrame: null, state: "CONNECTING", closedReason: null,
       fps: 24, session: null, rtp0: null, frameIndexFrom: null,
-      presented: [], // [frame index, expected display time, callback time]
+      presented: [], // [frame index, expected display time, callback time, frames presented so far]
       stats: [], // getStats polls
       micOnsets: [], voiceOnsets: [], frameOnsets: [], framePeaks: [],
       frameLatencies: [], voiceLatencies: [], chunks: [], playout: null,
@@ -194,7 +194,7 @@
       $("placeholder").hidden = true;
     }
     const shown = md.expectedDisplayTime || now;
-    call.presented.push([index, shown, now]);
+    call.presented.push([index, shown, now, md.presentedFrames]);
     if (call.presented.length > KEEP) call.presented.splice(0, call.presented.length - KEEP);
     while (call.pendingFrameOnsets.length && call.pendingFrameOnsets[0] <= index) {
       const k = call.pendingFrameOnsets.shift();
@@ -240,11 +240,13 @@
   // -- stats -----------------------------------------------------------------------------------
   async function pollStats() {
     if (!call || !call.pc) return;
-    const rec = { t: performance.now() };
+    const rec = { t: null };
     (await call.pc.getStats()).forEach((s) => {
       if (s.type !== "inbound-rtp") return;
       if (s.kind === "video") {
         Object.assign(rec, {
+          t: s.timestamp - performance.timeOrigin, // when the browser took these figures
+
           framesDecoded: s.framesDecoded, framesDropped: s.framesDropped, freezeCount: s.freezeCount,
           jitterBufferMs: s.jitterBufferEmittedCount ? (1000 * s.jitterBufferDelay) / s.jitterBufferEmittedCount : null,
         });
@@ -252,6 +254,7 @@
         Object.assign(rec, { audioPackets: s.packetsReceived, audioSamples: s.totalSamplesReceived, audioEnergy: s.totalAudioEnergy });
       }
     });
+    if (rec.t === null) rec.t = performance.now();
     call.stats.push(rec);
     if (call.stats.length > KEEP) call.stats.shift();
     render();
@@ -279,7 +282,7 @@
     const st = c.chunks.map((x) => x.diffusion_ms), dc = c.chunks.map((x) => x.decode_ms);
     $("m-step").textContent = st.length ? `${median(st).toFixed(1)} / ${median(dc).toFixed(1)} ms` : "–";
     if (c.playout) {
-      $("m-underruns").textContent = `${c.playout.underruns} (stalled ${c.playout.stalled_s.toFixed(2)} s)`;
+      $("m-underruns").textContent = `${c.playout.underruns} (stalled ${c.playout.stalled_s.toFixed(2)} s, ${c.playout.catchups} catch-ups)`;
       $("m-buffer").textContent = `${c.playout.buffered_frames} frames · ${c.playout.frames_played} played`;
     }
     const s = c.stats[c.stats.length - 1];
