@@ -39,7 +39,8 @@ class Worker:
     file appears (within `ready_timeout` seconds)."""
 
     def __init__(self, tmp: pathlib.Path, config: str = "tiny", args: tuple[str, ...] = (), env: dict | None = None,
-                 ready_timeout: float = 300.0):
+                 ready_timeout: float = 300.0, wait: bool = True):
+        """wait=False: returns once the process is started; call wait_ready()."""
         tmp.mkdir(parents=True, exist_ok=True)
         self.state_file = tmp / "worker.json"
         self.log_path = tmp / "worker.log"
@@ -47,16 +48,22 @@ class Worker:
         argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", config, "--port", "0", "--metrics-port", "0",
                 "--state-file", str(self.state_file), *args]
         self.proc = subprocess.Popen(argv, env=env if env is not None else child_env(1), stdout=self.log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
+        self._t0, self.ready_timeout = time.monotonic(), ready_timeout
+        self.client = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "Worker":
         while not self.state_file.exists() or "startup_s" not in self.state():
             assert self.proc.poll() is None, f"worker exited: {self.log_path.read_text()[-3000:]}"
-            assert time.monotonic() - t0 < ready_timeout, f"worker not ready in {ready_timeout} s"
+            assert time.monotonic() - self._t0 < self.ready_timeout, f"worker not ready in {self.ready_timeout} s"
             time.sleep(0.1)
-        self.startup_s = time.monotonic() - t0
+        self.startup_s = time.monotonic() - self._t0
         st = self.state()
         self.address = f"127.0.0.1:{st['port']}"
         self.client = CharacterClient(self.address)
         self.health = health_pb2_grpc.HealthStub(self.client.channel)
+        return self
 
     def state(self) -> dict:
         return json.loads(self.state_file.read_text())
@@ -81,13 +88,22 @@ class Worker:
         return time.monotonic() - t0
 
     def stop(self):
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self):
+        """SIGTERM (the worker drains and stops); wait_stopped() waits for it."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.client.close()
+
+    def wait_stopped(self):
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.client is not None:
+            self.client.close()
         self.log.close()
 
 
@@ -144,15 +160,21 @@ class Recorder:
         self.wait(lambda: find() is not None, timeout)
         return find()
 
-    def send_speech(self, pcm: np.ndarray, speed: float = 1.0, end: bool = True, block: bool = True, piece_ms: int = 20):
-        """Sends pcm in piece_ms pieces at `speed` times real time, then end_of_speech."""
+    def send_speech(self, pcm: np.ndarray, speed: float = 1.0, end: bool = True, block: bool = True, piece_ms: int = 20,
+                    stop: threading.Event | None = None):
+        """Sends pcm in piece_ms pieces at `speed` times real time (until `stop` is set), then
+        end_of_speech."""
+        stop = stop or threading.Event()
+
         def run():
             step = 16 * piece_ms
             t0 = time.monotonic()
             for off in range(0, len(pcm), step):
                 wait = t0 + off / 16000 / speed - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)  # the microphone's (or the agent's) pace, not the worker's
+                if wait > 0 and stop.wait(wait):  # the microphone's (or the agent's) pace, not the worker's
+                    return
+                if stop.is_set():
+                    return
                 self.conv.send_audio(pcm[off : off + step])
             if end:
                 self.conv.end_speech()
@@ -190,3 +212,11 @@ def timeline_of(chunks, segments: dict) -> np.ndarray:
         assert not audio[~speech_mask].any(), f"step {c.step_index}: inserted silence is not zeros"
         timeline[c.audio_first_sample : c.audio_first_sample + len(audio)] = audio
     return timeline
+
+
+def poll(predicate, timeout: float = 10.0, every: float = 0.005) -> None:
+    """Waits until predicate() holds (for state that notifies no one, e.g. a PlayoutClock)."""
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, f"not reached within {timeout} s"
+        time.sleep(every)

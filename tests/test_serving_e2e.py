@@ -1,8 +1,9 @@
 """End to end over loopback: a real worker process (tiny config, real DiTGenerator) with its
-supervised decoder process, driven by the client library.
+supervised decoder process, driven by the client library: clips, conversations at real
+time (listening video, speech segments, interrupts, limits), bad input, failures.
 
 One worker serves the whole module (start-up compiles once); the SIGTERM test runs last
-and ends it.
+and ends it. Its drain timeout is 1 s, so that test sees a live session ended CANCELLED.
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -19,16 +21,21 @@ import pytest
 from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
+from characters_jax.serving import client as cl
+from characters_jax.serving.playout import PlayoutClock
 from characters_jax.serving.server import child_env
-from serving_harness import Worker, png, speech
+from serving_harness import Recorder, Worker, png, poll, speech, timeline_of
 
 CFG = load_config("tiny")
 TL = Timeline.from_config(CFG)
+K = pb.SpeechEvent
+PERIOD = TL.step_seconds
+LEAD = 3
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = Worker(tmp_path_factory.mktemp("worker"))
+    w = Worker(tmp_path_factory.mktemp("worker"), args=("--drain-timeout", "1"))
     yield w
     w.stop()
 
@@ -203,18 +210,143 @@ def test_talk_command(worker, tmp_path):
     assert probe["video_frames"] == 4 * TL.steps_for(8000) and probe["audio_streams"] == 1
 
 
-def test_sigterm_cancels_the_live_session_and_stops(worker):
-    s = worker.client.create_session(png())
+def test_speech_silence_speech_at_real_time(worker):
+    """3 s speech, 3 s silence, 3 s speech, sent as a microphone would: the video never
+    stops (24 fps by timestamps and by arrival, no underrun), the events come in order, and
+    the chunks carry exactly the speech on its timeline."""
+    clock = PlayoutClock(24, prebuffer_frames=8)
+    seg1, seg2 = speech(3.0, seed=11), speech(3.0, seed=12)
+    with worker.client.conversation(image=png(), prompt="listen", playout=clock) as conv:
+        rec = Recorder(conv)
+        rec.wait(lambda: len(rec.chunks) >= LEAD)  # listening before anyone speaks
+        rec.send_speech(seg1)
+        time.sleep(3.0)
+        rec.send_speech(seg2)
+        rec.wait_event(K.PLAYBACK_FINISHED, 2, timeout=10)
+        conv.end_audio()
+        rec.join()
+    clock.wait_drained(5)
+    assert conv.final.state == pb.COMPLETED and conv.final.end_reason == pb.END_OF_AUDIO
+    order = [(e.kind, e.segment) for e in rec.events if e.kind != K.PLAYBACK_FINISHED]
+    assert order == [(K.SPEAKING_STARTED, 1), (K.SPEAKING_STOPPED, 1), (K.SPEAKING_STARTED, 2), (K.SPEAKING_STOPPED, 2)]
+    kinds = [(e.kind, e.segment) for e in rec.events]
+    assert kinds.index((K.PLAYBACK_FINISHED, 1)) < kinds.index((K.SPEAKING_STARTED, 2))
+    stopped = [e for e in rec.events if e.kind == K.SPEAKING_STOPPED]
+    starts = {e.segment: e.position_samples for e in rec.events if e.kind == K.SPEAKING_STARTED}
+    assert [e.segment_samples for e in stopped] == [48000, 48000] and [e.position_samples - starts[e.segment] for e in stopped] == [48000, 48000]
+    chunks, times = rec.chunks, rec.chunk_times()
+    assert [c.step_index for c in chunks] == list(range(len(chunks))) and len(chunks) >= 9 * 6
+    ts = np.concatenate([c.frame_timestamps_s for c in chunks])
+    np.testing.assert_allclose(np.diff(ts), 1 / 24, atol=1e-9)
+    assert clock.underruns == 0, (clock.underruns, clock.stall_s)
+    # Arrival: each chunk before playout needs it (no underrun) and at most the lead ahead of it.
+    t0 = clock.started_at
+    for k, t in enumerate(times):
+        assert t <= t0 + k * PERIOD + 0.02, (k, t - t0)
+        assert t >= t0 + (k - LEAD - 2) * PERIOD, (k, t - t0)
+    span = times[-1] - times[LEAD]
+    assert 23.5 <= 4 * (len(times) - 1 - LEAD) / span <= 24.5
+    timeline = timeline_of(chunks, {1: seg1, 2: seg2})
+    assert not timeline[: starts[1]].any() and not timeline[starts[1] + 48000 : starts[2]].any()
+
+
+def test_interrupt_one_second_into_an_utterance(worker):
+    clock = PlayoutClock(24, prebuffer_frames=8)
+    long, reply = speech(5.0, seed=13), speech(1.0, seed=14)
+    agent = threading.Event()  # the voice agent stops its speech when it interrupts
+    with worker.client.conversation(image=png(), playout=clock) as conv:
+        rec = Recorder(conv)
+        rec.wait(lambda: len(rec.chunks) >= 2)
+        rec.send_speech(long, 1.0, block=False, stop=agent)
+        start = rec.wait_event(K.SPEAKING_STARTED, 1).position_samples
+        poll(lambda: TL.frame_start(clock.played) >= start + 16000)
+        t_interrupt = time.monotonic()
+        agent.set()
+        conv.interrupt()
+        played = clock.played
+        ack = rec.wait_event(K.INTERRUPTED)
+        t_ack = rec.times[rec.index(ack)]
+        rec.wait(lambda: len(rec.chunks_after(ack)) >= 1)
+        t_first = rec.times[rec.index(rec.chunks_after(ack)[0])]
+        rec.wait(lambda: len(rec.chunks_after(ack)) >= 6)
+        rec.send_speech(reply)
+        rec.wait_event(K.PLAYBACK_FINISHED, 2, timeout=10)
+        conv.end_audio()
+        rec.join()
+    position = TL.frame_start(played)
+    print(f"\ninterrupt: ack after {1e3 * (t_ack - t_interrupt):.1f} ms, first listening chunk after {1e3 * (t_first - t_interrupt):.1f} ms, "
+          f"cut {ack.segment_samples / 16000:.3f} s into the utterance")
+    assert ack.position_samples == position and ack.played_samples == position and ack.segment == 1
+    assert 16000 <= ack.segment_samples == position - start < 16000 + 2 * TL.max_step_samples
+    assert t_ack - t_interrupt < PERIOD and t_first - t_interrupt < 2 * PERIOD  # within a chunk (CPU: the step takes ms)
+    after = rec.chunks_after(ack)
+    assert after[0].step_index == ack.resume_step and after[0].frame_timestamps_s[0] == pytest.approx(played / 24)
+    assert all(sp.segment != 1 for c in after for sp in c.speech), "speech past the position after the acknowledgement"
+    seg2 = [(e.kind, e.segment_samples, e.interrupted) for e in rec.events if e.segment == 2]
+    assert seg2 == [(K.SPEAKING_STARTED, 0, False), (K.SPEAKING_STOPPED, 16000, False), (K.PLAYBACK_FINISHED, 16000, False)]
+    timeline_of(after, {2: reply})
+    assert conv.final.state == pb.COMPLETED
+
+
+def test_idle_timeout_and_max_duration_end_sessions_on_time(worker):
+    for limits, reason, seconds in ((pb.SessionLimits(idle_timeout_s=1.0), pb.IDLE_TIMEOUT, 1.0),
+                                    (pb.SessionLimits(max_duration_s=1.5, idle_timeout_s=600), pb.MAX_DURATION, 1.5)):
+        with worker.client.conversation(image=png(), limits=limits, playout=PlayoutClock(24, prebuffer_frames=8)) as conv:
+            session = conv.wait_open()
+            t0 = time.monotonic()
+            rec = Recorder(conv)
+            if reason == pb.MAX_DURATION:
+                rec.send_speech(speech(3.0), block=False, end=False)  # speaking all along
+            rec.join()
+            elapsed = time.monotonic() - t0
+        assert conv.final.state == pb.COMPLETED and conv.final.end_reason == reason, conv.final
+        assert seconds - 0.05 <= elapsed < seconds + 0.5, elapsed
+        got = worker.client.get_session(session.session_id)
+        assert (got.state, got.end_reason) == (pb.COMPLETED, reason) and got.limits.idle_timeout_s == min(limits.idle_timeout_s, 120)
+        assert got.limits.max_duration_s == (limits.max_duration_s or 3600)
+        worker.wait_idle()
+
+
+def test_bad_conversation_requests_get_clear_statuses(worker):
+    create = cl.start_request(image=png())
+    for requests, code, needle in (
+        ([cl.interrupt_request()], grpc.StatusCode.FAILED_PRECONDITION, "interrupt outside a session"),
+        ([create, create], grpc.StatusCode.FAILED_PRECONDITION, "a second start"),
+        ([pb.ConverseRequest(start=pb.ConverseRequest.Start(audio_format=cl.PCM_FORMAT))], grpc.StatusCode.INVALID_ARGUMENT, "needs a session_id"),
+        ([cl.start_request(image=b"")], grpc.StatusCode.INVALID_ARGUMENT, "image: empty"),
+    ):
+        call = worker.client.stub.Converse(iter(requests), timeout=20)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == code and needle in e.value.details(), (needle, e.value.code(), e.value.details())
+        worker.wait_idle()
+    assert worker.serving() == "SERVING" and worker.serving("") == "SERVING" and worker.proc.poll() is None
+
+
+def test_sigterm_drains_then_cancels_the_live_session_and_stops(worker):
     decoder_pid = worker.state()["decoder_pid"]
+    conv = worker.client.conversation(image=png(), playout=PlayoutClock(24, prebuffer_frames=8))
+    rec = Recorder(conv)
+    rec.wait(lambda: len(rec.chunks) >= 2)
+    session = conv.session
+    t_term = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    poll(lambda: worker.serving("") == "NOT_SERVING", timeout=1.0)
+    assert worker.serving() == "NOT_SERVING"
     with pytest.raises(grpc.RpcError) as e:
-        worker.client.converse(s.session_id, speech(3.0), realtime=True, on_chunk=lambda c: worker.proc.send_signal(signal.SIGTERM) if c.step_index == 1 else None)
-    assert code_of(e) == grpc.StatusCode.CANCELLED and "shutting down" in e.value.details()
+        worker.client.conversation(image=png()).wait_open()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        rec.join()
+    t_end = time.monotonic()
+    assert e.value.code() == grpc.StatusCode.CANCELLED and "drain timeout" in e.value.details()
+    assert conv.final.end_reason == pb.DRAIN_TIMEOUT and 1.0 <= t_end - t_term < 2.0
     assert worker.proc.wait(20) == 0
     t0 = time.monotonic()
     while os.path.exists(f"/proc/{decoder_pid}") and open(f"/proc/{decoder_pid}/stat").read().split()[2] != "Z":
         assert time.monotonic() - t0 < 10, "decoder still running"
         time.sleep(0.1)
-    log = worker.log.name
     worker.log.flush()
-    lines = [json.loads(x) for x in open(log) if x.startswith("{")]
-    assert any(x["msg"] == "session ended" and x.get("state") == "CANCELLED" and x.get("session_id") == s.session_id for x in lines)
+    lines = [json.loads(x) for x in open(worker.log.name) if x.startswith("{")]
+    assert any(x["msg"] == "session ended" and x.get("state") == "CANCELLED" and x.get("reason") == "DRAIN_TIMEOUT"
+               and x.get("session_id") == session.session_id for x in lines)

@@ -251,10 +251,11 @@ def test_drain_lets_the_live_session_finish_and_refuses_new_ones():
 
 
 def test_a_balanced_client_places_sessions_on_idle_workers_only():
-    """Three workers, one balanced channel per client (round_robin + health checks): six
+    """Three workers, one balanced channel per client (round_robin + health checks): nine
     sessions at once all complete, never two at a time on one worker."""
     workers = [FakeWorker(CFG) for _ in range(3)]
     target = ",".join(w.address for w in workers)
+    n_clients = 9  # three rounds: every freed worker is raced for by the clients still waiting
     spans, errors = [], []
 
     def one(i):
@@ -266,7 +267,7 @@ def test_a_balanced_client_places_sessions_on_idle_workers_only():
             errors.append((err.code(), err.details()))
 
     try:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n_clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -274,7 +275,7 @@ def test_a_balanced_client_places_sessions_on_idle_workers_only():
     finally:
         for w in workers:
             w.close()
-    assert errors == [] and len(spans) == 6 and all(s[3] == pb.COMPLETED for s in spans)
+    assert errors == [] and len(spans) == n_clients and all(s[3] == pb.COMPLETED for s in spans)
     by_worker = {}
     for wid, a, b, _ in spans:
         by_worker.setdefault(wid, []).append((a, b))
@@ -282,6 +283,26 @@ def test_a_balanced_client_places_sessions_on_idle_workers_only():
     for runs in by_worker.values():  # sessions on one worker one after the other
         runs.sort()
         assert all(later[0] >= earlier[1] for earlier, later in zip(runs, runs[1:])), runs
+
+
+def test_a_refused_conversation_opens_again_until_its_timeout(worker, client):
+    """Refused (the worker busy) before the Session: a new call after a backoff, until a
+    worker takes it or open_timeout passes."""
+    blocker = client.create_session(png())
+    threading.Timer(0.6, client.close_session, args=(blocker.session_id,)).start()
+    conv = cl.Conversation(client.stub, cl.start_request(image=png()), wait_for_ready=False, open_timeout=5.0, reopen=True)
+    t0 = time.monotonic()
+    session = conv.wait_open()
+    assert session.state == pb.RUNNING and conv.attempts >= 2 and time.monotonic() - t0 >= 0.55
+    conv.close()
+    wait_idle(worker.address)
+    blocker = client.create_session(png())
+    conv = cl.Conversation(client.stub, cl.start_request(image=png()), wait_for_ready=False, open_timeout=0.8, reopen=True)
+    with pytest.raises(grpc.RpcError) as e:
+        conv.wait_open()
+    assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED) and time.monotonic() - t0 < 8
+    client.close_session(blocker.session_id)
+    wait_idle(worker.address)
 
 
 def test_a_chunk_larger_than_a_fixed_limit_streams():

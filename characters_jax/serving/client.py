@@ -5,8 +5,9 @@ A target is one worker ("host:port": a direct connection), a comma list of worke
 A list or a DNS name is balanced by gRPC itself: round_robin over the workers with
 client-side health checks on "characters.v1.CharacterService" (an idle worker is SERVING,
 a busy or draining one NOT_SERVING), waitForReady (a new session waits until some worker is
-idle), and retries of RESOURCE_EXHAUSTED / UNAVAILABLE before the session opens (at most 5
-attempts, backoff 0.25 s doubling to 2 s), so new sessions go to idle workers only.
+idle), and retries of RESOURCE_EXHAUSTED / UNAVAILABLE before the session opens (gRPC's: at
+most 5 attempts, backoff 0.25 s doubling to 2 s; then the conversation opens a new call, with
+jittered backoff, until its open_timeout), so new sessions go to idle workers only.
 
 The streaming API (what a voice agent or the browser bridge uses):
 
@@ -34,6 +35,7 @@ import dataclasses
 import ipaddress
 import json
 import queue
+import random
 import socket
 import threading
 import time
@@ -56,6 +58,7 @@ BALANCED_SERVICE_CONFIG = {
     "methodConfig": [{"name": [{"service": SERVICE_NAME, "method": "Converse"}], "waitForReady": True, "retryPolicy": RETRY_POLICY}],
 }
 RETRY_BUFFER_BYTES = 16 << 20  # a start with a reference image must fit for it to be retried
+REOPEN_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
 class ConversationError(grpc.RpcError):
@@ -198,24 +201,34 @@ class Conversation:
     thread; the senders may be called from any thread."""
 
     def __init__(self, stub, start: pb.ConverseRequest, *, wait_for_ready: bool, open_timeout: float | None,
-                 playout: PlayoutClock | None = None):
+                 playout: PlayoutClock | None = None, reopen: bool | None = None):
         """playout: a clock that this conversation feeds with the frames it yields and whose
-        reports it sends (its on_report is set here)."""
+        reports it sends (its on_report is set here). reopen: when a worker refuses the
+        session (RESOURCE_EXHAUSTED, UNAVAILABLE), open a new call until open_timeout
+        (default: on a balanced channel, i.e. with wait_for_ready)."""
         self._outbox: queue.Queue = queue.Queue()
         self._rx = _Receiver()
         self._opened = threading.Event()
         self._done = threading.Event()
         self._open_timed_out = False
+        self._stub, self._start, self._wait_for_ready = stub, start, wait_for_ready
+        self._reopen = wait_for_ready if reopen is None else reopen
+        self._open_by = None if open_timeout is None else time.monotonic() + open_timeout
+        self.attempts = 0
         self.playout = playout
         if playout is not None:
             playout.on_report = self.report_playout
-        self._call = stub.Converse(self._requests(start), wait_for_ready=wait_for_ready)
+        self._call = self._new_call()
         self._messages = self._receive()
         self._timer = None
         if open_timeout is not None:
             self._timer = threading.Timer(open_timeout, self._open_expired, args=(open_timeout,))
             self._timer.daemon = True
             self._timer.start()
+
+    def _new_call(self):
+        self.attempts += 1
+        return self._stub.Converse(self._requests(self._start, self.attempts), wait_for_ready=self._wait_for_ready)
 
     @property
     def session(self) -> pb.Session | None:
@@ -230,9 +243,11 @@ class Conversation:
             self._open_timed_out = True
             self._call.cancel()
 
-    def _requests(self, start):
+    def _requests(self, start, attempt: int):
         yield start
         self._opened.wait()  # only the start is ever buffered for a retry
+        if attempt != self.attempts:
+            return  # a refused attempt's iterator: the messages belong to the call that opened
         while not self._done.is_set():
             item = self._outbox.get()
             if item is None:
@@ -287,21 +302,33 @@ class Conversation:
         return self._messages
 
     def _receive(self):
-        try:
-            for resp in self._call:
-                msg = self._rx.receive(resp)
-                if msg is None:
-                    continue
-                if isinstance(msg, pb.Session):
-                    self._opened.set()
-                elif isinstance(msg, pb.VideoChunk) and self.playout is not None:
-                    self.playout.add_frames(len(msg.frames))
-                yield msg
-        except grpc.RpcError as err:
-            self._finish()
-            if self._open_timed_out and err.code() == grpc.StatusCode.CANCELLED:
-                raise ConversationError(grpc.StatusCode.DEADLINE_EXCEEDED, "no worker opened the session in time (all busy or unreachable)") from None
-            raise
+        backoff = 0.25
+        while True:
+            try:
+                for resp in self._call:
+                    msg = self._rx.receive(resp)
+                    if msg is None:
+                        continue
+                    if isinstance(msg, pb.Session):
+                        self._opened.set()
+                    elif isinstance(msg, pb.VideoChunk) and self.playout is not None:
+                        self.playout.add_frames(len(msg.frames))
+                    yield msg
+                break
+            except grpc.RpcError as err:
+                delay = backoff * random.uniform(0.5, 1.5)
+                if (self._reopen and not self._opened.is_set() and not self._done.is_set() and err.code() in REOPEN_CODES
+                        and (self._open_by is None or time.monotonic() + delay < self._open_by)):
+                    if not self._done.wait(delay) and not self._open_timed_out:
+                        backoff = min(2 * backoff, 2.0)
+                        self._call = self._new_call()
+                        if self._open_timed_out:  # the open timer fired meanwhile
+                            self._call.cancel()
+                        continue
+                self._finish()
+                if self._open_timed_out and err.code() == grpc.StatusCode.CANCELLED:
+                    raise ConversationError(grpc.StatusCode.DEADLINE_EXCEEDED, "no worker opened the session in time (all busy or unreachable)") from None
+                raise
         self._finish()
 
     def _finish(self) -> None:
@@ -415,6 +442,7 @@ class ConverseResult:
     session: object = None  # the Session (RUNNING)
     events: list = dataclasses.field(default_factory=list)  # SpeechEvents, in order
     open_time: float = 0.0  # monotonic arrival time of the Session
+    attempts: int = 1  # Converse calls the client made to open the session (gRPC's own retries not counted)
 
     @property
     def frames(self) -> list[np.ndarray]:
@@ -604,4 +632,4 @@ class CharacterClient:
             conv.close()
         clock.wait_drained(timeout=30)
         return ConverseResult(chunks, conv.final, recv, np.asarray(sent, dtype=np.float64).reshape(-1, 2), clock.underruns, clock.played,
-                              clock.stall_s, t_start, session, events, t_open)
+                              clock.stall_s, t_start, session, events, t_open, conv.attempts)

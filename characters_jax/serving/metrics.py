@@ -1,7 +1,7 @@
 """Prometheus metrics of a worker, in their own registry (served on --metrics-port).
 
 step time histogram (diffusion per step), step period and decode histograms, fps of the
-live session, playout underruns (reported by clients), interrupts, sessions by state (live gauge and
+live session, playout underruns (reported by clients), interrupts, refused sessions, sessions by state (live gauge and
 terminal counter), and the bounded-resources gauges: compiled programs and live device
 memory, refreshed after every session.
 """
@@ -25,6 +25,7 @@ class WorkerMetrics:
         self.fps = prom.Gauge("characters_fps", "Sustained frames per second of the live (or last) session", registry=r)
         self.underruns = prom.Counter("characters_playout_underruns", "Playout underruns reported by clients", registry=r)
         self.interrupts = prom.Counter("characters_interrupts", "Interrupts acknowledged", registry=r)
+        self.refused = prom.Counter("characters_sessions_refused", "New sessions refused (RESOURCE_EXHAUSTED: busy; UNAVAILABLE: draining)", ["code"], registry=r)
         self.frames = prom.Counter("characters_frames", "Frames sent to clients", registry=r)
         self.sessions = prom.Gauge("characters_sessions", "Sessions on this worker by state (live ones)", ["state"], registry=r)
         self.sessions_ended = prom.Counter("characters_sessions_ended", "Sessions that ended, by final state", ["state"], registry=r)

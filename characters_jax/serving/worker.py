@@ -109,10 +109,10 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         Aborts the RPC with a clear status otherwise."""
         cfg = self.ctx.config
         if self.draining.is_set():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is draining (shutting down); open the session on another worker")
+            self._refuse(context, grpc.StatusCode.UNAVAILABLE, "this worker is draining (shutting down); open the session on another worker")
         busy = self.table.live
         if busy is not None:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving session {busy.session_id} ({busy.state}); one session per worker")
+            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving session {busy.session_id} ({busy.state}); one session per worker")
         try:
             rgb = load_reference_image(request.image, cfg.video.width, cfg.video.height, self.options.image_limits)
             limits = resolve_limits(request.limits, self.options)
@@ -125,7 +125,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         try:
             rec = self.table.reserve(seed, len(prompt), limits)
         except SlotBusy as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         fields = {"fields": {"session_id": rec.session_id, "prompt_tokens": len(prompt), "seed": seed, "max_duration_s": limits.max_duration_s, "idle_timeout_s": limits.idle_timeout_s}}
         log.info("session created", extra=fields)
         try:
@@ -142,6 +142,10 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         self.table.transition(rec, "READY")
         log.info("session ready", extra=fields)
         return rec
+
+    def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+        self.ctx.metrics.refused.labels(code.name).inc()
+        context.abort(code, message)
 
     # -- unary RPCs ------------------------------------------------------------------------
     def CreateSession(self, request, context):
