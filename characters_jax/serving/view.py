@@ -44,7 +44,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
 from characters_jax.serving.images import ImageError, load_reference_image
-from characters_jax.serving.view_link import ChunkEvent, LinkError, WorkerLink
+from characters_jax.serving.view_link import ChunkEvent, LinkError, SpeechNote, WorkerLink
 from characters_jax.serving.view_media import CharacterAudioTrack, CharacterVideoTrack, MicResampler, Playout, Upsampler
 
 log = logging.getLogger("characters_jax.serving.view")
@@ -194,12 +194,12 @@ class ViewerBridge:
         await gather_on(self.pc, LOOPBACK)
         await self.pc.setLocalDescription(await self.pc.createAnswer())
         marks["answer_ms"] = round((time.monotonic() - t0) * 1e3, 1)
-        await self.link.start()
         self._spawn(self._pump_worker())
         self._spawn(self._pump_stats())
         self._spawn(self._watch_connect())
         self.send({"type": "session", "session_id": session.session_id, "width": session.width, "height": session.height, "fps": session.fps,
-                   "frames_per_step": session.frames_per_step, "prebuffer_frames": self.playout.prebuffer, "gateway_ms": marks})
+                   "frames_per_step": session.frames_per_step, "prebuffer_frames": self.playout.prebuffer, "worker_id": session.worker_id,
+                   "max_duration_s": session.max_duration_s, "idle_timeout_s": session.idle_timeout_s, "gateway_ms": marks})
         self.send({"type": "state", "state": "RUNNING"})
         return self.pc.localDescription.sdp
 
@@ -221,6 +221,15 @@ class ViewerBridge:
             return
         if msg.get("type") == "hangup":
             self._spawn(self.close("hung up by the page"))
+        elif msg.get("type") == "interrupt" and self.playout is not None:
+            self._spawn(self._interrupt())
+
+    async def _interrupt(self) -> None:
+        """Barge-in: the worker drops what it has queued, the jitter buffer what it holds."""
+        p = self.playout
+        self.link.interrupt(p.frames_played, p.underruns)
+        await p.flush()
+        self.send({"type": "interrupting", "frames_played": p.frames_played})
 
     def _on_track(self, track) -> None:
         if track.kind == "audio" and self._mic is None:
@@ -262,21 +271,25 @@ class ViewerBridge:
 
     async def _pump_worker(self) -> None:
         up = Upsampler(self.options.audio_rate // 16000)
-        fps = self.link.session.fps
+        session = self.link.session
         final = None
         async for ev in self.link.events():
             if isinstance(ev, ChunkEvent):
-                await self.playout.push(ev.frames, up(ev.audio))
-                self.send({"type": "chunk", "step": ev.step, "first_frame": ev.first_frame, "frames": len(ev.frames),
-                           "peaks": frame_peaks(ev.audio, ev.audio_first_sample, ev.first_frame, len(ev.frames), 16000, fps),
-                           "diffusion_ms": round(ev.diffusion_ms, 2), "decode_ms": round(ev.decode_ms, 2), "period_ms": round(ev.period_ms, 2),
-                           "arrival_latency_s": None if ev.arrival_latency_s is None else round(ev.arrival_latency_s, 4)})
+                first = await self.playout.push(ev.frames, up(ev.audio))
+                self.send({"type": "chunk", "step": ev.step, "first_frame": first, "timeline_frame": ev.first_frame, "frames": len(ev.frames),
+                           "peaks": frame_peaks(ev.audio, ev.audio_first_sample, ev.first_frame, len(ev.frames), 16000, session.fps),
+                           "speech_samples": ev.speech_samples, "diffusion_ms": round(ev.diffusion_ms, 2), "decode_ms": round(ev.decode_ms, 2),
+                           "period_ms": round(ev.period_ms, 2), "arrival_latency_s": None if ev.arrival_latency_s is None else round(ev.arrival_latency_s, 4)})
+            elif isinstance(ev, SpeechNote):
+                self.send({"type": "speech", "kind": ev.kind, "segment": ev.segment, "position_s": round(ev.position_samples / 16000, 3),
+                           "interrupted": ev.interrupted, "played_s": round(ev.played_samples / 16000, 3)})
             else:
                 final = ev
-                self.send({"type": "state", "state": ev.state, "message": ev.message})
+                self.send({"type": "state", "state": ev.state, "message": ev.message, "end_reason": ev.end_reason})
         await self.playout.end()
-        if final is not None and final.state != "COMPLETED":
-            await self.close(f"session {final.state}: {final.message}")
+        if final is not None and final.state == "COMPLETED":
+            await self.playout.drained.wait()  # the page sees the session to its last frame
+        await self.close(f"session {final.state} ({final.end_reason}): {final.message}" if final else "the worker ended the stream")
 
     async def _pump_stats(self) -> None:
         while not self.closed.is_set():

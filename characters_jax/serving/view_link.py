@@ -1,14 +1,17 @@
-"""The viewer's one gRPC client: a session on a worker, as the gateway needs it.
+"""The viewer's one gRPC client: a conversation with a worker, as the gateway needs it.
 
-    link = WorkerLink("127.0.0.1:50051")
-    session = await link.open(image_bytes, prompt)      # CreateSession; raises LinkError
-    await link.start()                                  # Converse, with playout reports
-    link.send_audio(pcm_16k_s16le)                      # the microphone, as it arrives
+    link = WorkerLink("127.0.0.1:50051")      # or a balanced target (see client.parse_target)
+    session = await link.open(image, prompt)  # Converse opens the session itself; raises LinkError
+    link.send_audio(pcm_16k_s16le)            # the microphone, as it arrives: one live segment
     link.report_playout(frames_played, underruns)
-    async for event in link.events(): ...               # ChunkEvent | StateEvent
-    await link.close()                                  # cancels the stream, closes the session
+    link.interrupt(frames_played, underruns)  # barge-in
+    async for event in link.events(): ...     # ChunkEvent | SpeechNote | StateEvent
+    await link.close()                        # ends the stream: the worker frees the session
 
-Everything that knows the proto lives here; the rest of the gateway sees plain events.
+The microphone is one speech segment that never ends while the page talks (silence
+included); the session begins with it (`begin_with_speech`), and where the microphone is
+late the worker fills silence, so the video never stops. After an interrupt the next audio
+opens a new segment. Everything that knows the proto lives here and in client.py.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ import grpc
 import numpy as np
 
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.protos_gen import characters_pb2_grpc
+from characters_jax.serving.client import AsyncConversation, aio_channel, start_request
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 16 << 20)]
 SAMPLE_RATE = 16000
 
 
@@ -43,111 +45,143 @@ class SessionInfo:
     height: int
     fps: int
     frames_per_step: int
+    worker_id: str
+    max_duration_s: float
+    idle_timeout_s: float
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkEvent:
-    """One generator step's output. frames: [H, W, 3] uint8 each; audio: [n] int16 at 16 kHz."""
+    """One generator step's output. frames: [H, W, 3] uint8 each; audio: [n] int16 at 16 kHz,
+    timeline samples [audio_first_sample, audio_first_sample + n)."""
 
     step: int
-    first_frame: int
+    first_frame: int  # on the session's timeline
     frames: list
     audio: np.ndarray
     audio_first_sample: int
+    speech_samples: int  # of audio, how many are the microphone's (the rest is inserted silence)
     diffusion_ms: float
     decode_ms: float
     period_ms: float
-    arrival_latency_s: float | None  # arrival minus when the chunk's first sample went up
+    arrival_latency_s: float | None  # arrival minus when its first microphone sample went up
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeechNote:
+    kind: str  # SPEAKING_STARTED, SPEAKING_STOPPED, PLAYBACK_FINISHED, INTERRUPTED
+    segment: int
+    position_samples: int
+    interrupted: bool
+    played_samples: int
 
 
 @dataclasses.dataclass(frozen=True)
 class StateEvent:
-    state: str  # RUNNING, COMPLETED, FAILED, CANCELLED
+    state: str  # COMPLETED, FAILED, CANCELLED
     message: str = ""
+    end_reason: str = ""
+
+
+def _link_error(err: grpc.aio.AioRpcError) -> LinkError:
+    return LinkError(err.code().name, err.details() or "")
 
 
 class WorkerLink:
-    def __init__(self, address: str):
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = characters_pb2_grpc.CharacterServiceStub(self._channel)
-        self._outbox: asyncio.Queue = asyncio.Queue()
-        self._call = None
+    def __init__(self, target: str):
+        self.target = target
+        self._channel, t = aio_channel(target)
+        self._balanced = t.balanced
+        self._conv: AsyncConversation | None = None
+        self._messages = None
         self.session: SessionInfo | None = None
         self.sent_samples = 0
-        self._send_ends: list[int] = []  # end sample of each audio send not yet carried by a chunk
+        self._segment_starts: list[int] = []  # sent-sample index where each segment began
+        self._new_segment = True
+        self._send_ends: list[int] = []  # end (sent-sample index) of each audio send not yet carried by a chunk
         self._send_times: list[float] = []  # its monotonic time
-        self._finished = False
+        self._closed = False
 
-    async def open(self, image: bytes, prompt: str = "", seed: int = 0, timeout: float = 180.0) -> SessionInfo:
+    async def open(self, image: bytes, prompt: str = "", seed: int = 0, timeout_s: float = 180.0) -> SessionInfo:
+        """Opens the session on a Converse stream. Raises LinkError (the worker's refusal:
+        INVALID_ARGUMENT for an image it cannot read, RESOURCE_EXHAUSTED when busy, ...)."""
+        start = start_request(image=image, prompt=prompt, seed=seed, playout_reports=True, begin_with_speech=True)
+        self._conv = AsyncConversation.open(self._channel, start, balanced=self._balanced)
+        self._messages = self._conv.__aiter__()
         try:
-            s = await self._stub.CreateSession(pb.CreateSessionRequest(image=image, prompt=prompt, seed=seed), timeout=timeout)
+            first = await asyncio.wait_for(self._messages.__anext__(), timeout_s)
         except grpc.aio.AioRpcError as err:
-            raise LinkError(err.code().name, err.details() or "") from None
-        self.session = SessionInfo(s.session_id, s.width, s.height, s.fps, s.frames_per_step)
+            raise _link_error(err) from None
+        except StopAsyncIteration:
+            raise LinkError("UNAVAILABLE", "the worker ended the stream before the session opened") from None
+        except asyncio.TimeoutError:
+            self._conv.cancel()
+            raise LinkError("DEADLINE_EXCEEDED", f"no session from the worker within {timeout_s:g} s") from None
+        if not isinstance(first, pb.Session):
+            raise LinkError("INTERNAL", f"the worker's first message was a {type(first).__name__}, not the Session")
+        self.session = SessionInfo(first.session_id, first.width, first.height, first.fps, first.frames_per_step, first.worker_id,
+                                   first.limits.max_duration_s, first.limits.idle_timeout_s)
         return self.session
 
-    async def start(self) -> None:
-        fmt = pb.AudioFormat(sample_rate_hz=SAMPLE_RATE, channels=1, encoding=pb.AudioFormat.PCM_S16LE)
-        self._outbox.put_nowait(pb.ConverseRequest(start=pb.ConverseRequest.Start(session_id=self.session.session_id, audio_format=fmt, playout_reports=True)))
-        self._call = self._stub.Converse(self._requests())
-
-    async def _requests(self):
-        while True:
-            req = await self._outbox.get()
-            if req is None:
-                return
-            yield req
-
+    # -- requests -----------------------------------------------------------------------------
     def send_audio(self, pcm: bytes) -> None:
         """16 kHz mono s16le, whole samples."""
-        if not pcm or self._finished:
+        if not pcm or self._closed:
             return
+        if self._new_segment:
+            self._segment_starts.append(self.sent_samples)
+            self._new_segment = False
         self.sent_samples += len(pcm) // 2
         self._send_ends.append(self.sent_samples)
         self._send_times.append(time.monotonic())
-        self._outbox.put_nowait(pb.ConverseRequest(audio=pb.ConverseRequest.AudioChunk(pcm=pcm)))
+        self._conv.send_audio(pcm)
 
     def report_playout(self, frames_played: int, underruns: int) -> None:
-        if not self._finished:
-            self._outbox.put_nowait(pb.ConverseRequest(playout=pb.ConverseRequest.PlayoutReport(frames_played=frames_played, underruns=underruns)))
+        if not self._closed:
+            self._conv.report_playout(frames_played, underruns)
 
-    def _sample_send_time(self, sample: int) -> float | None:
-        """When the audio holding `sample` was sent (None if not sent by this link). Chunks come
-        in order, so the sends before `sample` are forgotten."""
-        i = bisect.bisect_right(self._send_ends, sample)
+    def interrupt(self, frames_played: int, underruns: int) -> None:
+        """Barge-in at the playback position; chunks until the INTERRUPTED note are dropped."""
+        if not self._closed:
+            self._conv.interrupt(frames_played, underruns)
+            self._new_segment = True
+
+    # -- responses ----------------------------------------------------------------------------
+    def _send_time(self, segment: int, offset: int) -> float | None:
+        """When the microphone sample `offset` of `segment` was sent (None if unknown). Chunks
+        come in order, so the sends before it are forgotten."""
+        if not 1 <= segment <= len(self._segment_starts):
+            return None
+        i = bisect.bisect_right(self._send_ends, self._segment_starts[segment - 1] + offset)
         del self._send_ends[:i], self._send_times[:i]
         return self._send_times[0] if self._send_times else None
 
+    def _chunk(self, c: pb.VideoChunk) -> ChunkEvent:
+        now = time.monotonic()
+        sent = self._send_time(c.speech[0].segment, c.speech[0].segment_offset_samples) if c.speech else None
+        frames = [np.frombuffer(f, np.uint8).reshape(c.height, c.width, 3) for f in c.frames]
+        return ChunkEvent(c.step_index, c.first_frame_index, frames, np.frombuffer(c.audio_pcm, "<i2").astype(np.int16), c.audio_first_sample,
+                          sum(s.samples for s in c.speech), c.diffusion_ms, c.decode_ms, c.step_period_ms, None if sent is None else now - sent)
+
     async def events(self):
-        """ChunkEvent per step, then one StateEvent (COMPLETED, FAILED or CANCELLED)."""
+        """ChunkEvents and SpeechNotes in stream order, then one StateEvent."""
         try:
-            async for resp in self._call:
-                if resp.WhichOneof("event") == "chunk":
-                    c = resp.chunk
-                    now = time.monotonic()
-                    sent = self._sample_send_time(c.audio_first_sample)
-                    frames = [np.frombuffer(f, np.uint8).reshape(c.height, c.width, 3) for f in c.frames]
-                    yield ChunkEvent(c.step_index, c.first_frame_index, frames, np.frombuffer(c.audio_pcm, "<i2").astype(np.int16), c.audio_first_sample,
-                                     c.diffusion_ms, c.decode_ms, c.step_period_ms, None if sent is None else now - sent)
-                else:
-                    e = resp.session_event
-                    yield StateEvent(pb.SessionState.Name(e.state), e.message)
+            async for msg in self._messages:
+                if isinstance(msg, pb.VideoChunk):
+                    yield self._chunk(msg)
+                elif isinstance(msg, pb.SpeechEvent):
+                    yield SpeechNote(pb.SpeechEvent.Kind.Name(msg.kind), msg.segment, msg.position_samples, msg.interrupted, msg.played_samples)
+                elif isinstance(msg, pb.SessionEvent):
+                    yield StateEvent(pb.SessionState.Name(msg.state), msg.message, pb.EndReason.Name(msg.end_reason))
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED or not self._finished:
-                yield StateEvent("FAILED" if err.code() != grpc.StatusCode.CANCELLED else "CANCELLED", f"{err.code().name}: {err.details()}")
+            if not self._closed:
+                yield StateEvent("CANCELLED" if err.code() == grpc.StatusCode.CANCELLED else "FAILED", f"{err.code().name}: {err.details()}")
 
     async def close(self) -> None:
-        """Ends the stream (the worker cancels the session at once) and the session, if still open."""
-        if self._finished:
+        """Ends the stream; the worker ends the session (CLIENT_GONE) and is free at once."""
+        if self._closed:
             return
-        self._finished = True
-        self._outbox.put_nowait(None)
-        if self._call is not None:
-            self._call.cancel()
-        if self.session is not None:
-            try:
-                await self._stub.CloseSession(pb.CloseSessionRequest(session_id=self.session.session_id), timeout=5)
-            except grpc.aio.AioRpcError:
-                pass
+        self._closed = True
+        if self._conv is not None:
+            self._conv.cancel()
         await self._channel.close()

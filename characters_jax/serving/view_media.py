@@ -106,18 +106,27 @@ class Playout:
         self._audio_skips: list[tuple[int, int]] = []  # (first sample, samples) dropped by catch-ups, for the audio track
         self.underruns = 0
         self.catchups = 0
+        self._flushed = False  # the buffer was flushed: the next wait is not an underrun
         self.frames_played = 0
         self.ended = False
         self.started = asyncio.Event()
+        self.drained = asyncio.Event()  # ended and every frame played
 
     # -- producer ----------------------------------------------------------------------------
-    async def push(self, frames: list[np.ndarray], audio: np.ndarray) -> None:
-        """frames: [H, W, 3] uint8 each; audio: int16 samples at `audio_rate`, continuing the stream."""
+    async def push(self, frames: list[np.ndarray], audio: np.ndarray) -> int:
+        """frames: [H, W, 3] uint8 each; audio: the int16 samples at `audio_rate` they carry.
+        Returns the first frame's playback index. The audio is anchored to the frames: it
+        starts at the first frame's media time (padded or trimmed by the odd sample)."""
         async with self._cond:
+            first = self._frames_in
             for f in frames:
                 self._frames[self._frames_in] = f
                 self._frames_in += 1
-            self._audio = np.concatenate([self._audio, np.asarray(audio, np.int16)])
+            gap = first * self.audio_rate // self.fps - (self._audio_base + self._audio.size)
+            audio = np.asarray(audio, np.int16)
+            audio = np.concatenate([np.zeros(gap, np.int16), audio]) if gap > 0 else audio[-gap:]
+            self._audio = np.concatenate([self._audio, audio])
+            self._flushed = False
             now = self.clock()
             if self._stall_start is not None:
                 self.stalled_s += now - self._stall_start
@@ -126,6 +135,21 @@ class Playout:
             if self.t0 is None and self._frames_in >= self.prebuffer:
                 self._start(now)
             self._cond.notify_all()
+            return first
+
+    async def flush(self) -> None:
+        """Drops every frame not yet played and its audio (after an interrupt); the next
+        chunk plays at once, and waiting for it is not an underrun."""
+        async with self._cond:
+            for k in range(self._next_frame, self._frames_in):
+                self._frames.pop(k, None)
+            self._frames_in = self._next_frame
+            keep = max(self._next_frame * self.audio_rate // self.fps, self._next_audio) - self._audio_base
+            self._audio = self._audio[: max(keep, 0)]
+            self._over_since = None
+            self._flushed = True
+            if self.t0 is None and self._frames_in:
+                self._start(self.clock())
 
     async def end(self) -> None:
         """No more chunks will come: what is buffered plays out, then the tracks end."""
@@ -169,7 +193,8 @@ class Playout:
                     raise PlayoutEnded
                 if self._stall_start is None:
                     self._stall_start = self.clock()
-                    self.underruns += 1
+                    self.underruns += 0 if self._flushed else 1
+                    self._flushed = False
                 await self._cond.wait()
 
     # -- consumers ---------------------------------------------------------------------------
@@ -197,9 +222,13 @@ class Playout:
     async def next_frame(self) -> tuple[int, np.ndarray]:
         """(frame index, [H, W, 3] uint8), returned at the frame's due time."""
         k = self._next_frame
-        await self._wait_due(k / self.fps)
-        k = self._catch_up(k)
-        await self._wait_for(lambda: k < self._frames_in)
+        try:
+            await self._wait_due(k / self.fps)
+            k = self._catch_up(k)
+            await self._wait_for(lambda: k < self._frames_in)
+        except PlayoutEnded:
+            self.drained.set()
+            raise
         self._next_frame = k + 1
         self.frames_played = k + 1
         return k, self._frames.pop(k)

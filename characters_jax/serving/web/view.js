@@ -44,7 +44,7 @@
       micOnsets: [], voiceOnsets: [], frameOnsets: [], framePeaks: [],
       frameLatencies: [], voiceLatencies: [], chunks: [], playout: null,
       usedForFrame: new Set(), usedForVoice: new Set(), pendingFrameOnsets: [],
-      micLevel: 0, voiceLevel: 0, statsTimer: null, marks: {},
+      micLevel: 0, voiceLevel: 0, statsTimer: null, marks: {}, speechEvents: [],
     };
   }
 
@@ -75,6 +75,7 @@
     const live = call !== null && call.closedReason === null;
     $("connect").disabled = live || !workerReady;
     $("hangup").disabled = !live;
+    $("interrupt").disabled = !live || !call.session;
   }
 
   async function pollWorker() {
@@ -225,9 +226,15 @@
     if (m.type === "session") {
       call.session = m;
       call.fps = m.fps;
+      setButtons();
       logEvent(`session ${m.session_id.slice(0, 8)}: ${m.width}x${m.height} at ${m.fps} fps`);
     } else if (m.type === "state") {
-      setState(m.state, m.message);
+      setState(m.state, [m.end_reason, m.message].filter(Boolean).join(": "));
+    } else if (m.type === "speech") {
+      call.speechEvents.push(m);
+      logEvent(`${m.kind.toLowerCase().replace("_", " ")} · segment ${m.segment} at ${m.position_s.toFixed(2)} s${m.interrupted ? " (cut by an interrupt)" : ""}`);
+    } else if (m.type === "interrupting") {
+      logEvent(`interrupt at frame ${m.frames_played}`);
     } else if (m.type === "chunk") {
       onChunk(m);
     } else if (m.type === "playout") {
@@ -366,6 +373,10 @@
     setButtons();
   }
 
+  function interrupt() {
+    if (call && call.dc && call.dc.readyState === "open") call.dc.send(JSON.stringify({ type: "interrupt" }));
+  }
+
   function metrics() {
     const c = call;
     if (!c) return null;
@@ -374,7 +385,7 @@
       tConnect: c.tConnect, tFirstFrame: c.tFirstFrame, firstFrameMs: c.tFirstFrame === null ? null : c.tFirstFrame - c.tConnect,
       frameIndexFrom: c.frameIndexFrom, presented: c.presented, stats: c.stats, playout: c.playout,
       micOnsets: c.micOnsets, voiceOnsets: c.voiceOnsets, frameOnsets: c.frameOnsets,
-      frameLatencies: c.frameLatencies, voiceLatencies: c.voiceLatencies,
+      frameLatencies: c.frameLatencies, voiceLatencies: c.voiceLatencies, speechEvents: c.speechEvents,
       chunkLatencies: c.chunks.map((x) => x.arrival_latency_s), now: performance.now(),
       audioContext: c.ctx ? c.ctx.state : null, micLevel: c.micLevel, voiceLevel: c.voiceLevel, marks: c.marks,
     };
@@ -382,6 +393,7 @@
 
   $("connect").addEventListener("click", connect);
   $("hangup").addEventListener("click", () => closeCall("hung up"));
+  $("interrupt").addEventListener("click", interrupt);
   $("image-file").addEventListener("change", onImageChosen);
   $("audio-source").addEventListener("change", (e) => { if (e.target.value === "wav") $("wav-file").click(); });
   $("wav-file").addEventListener("change", (e) => {
@@ -389,7 +401,7 @@
     if (wavFile) showMessage(`voice from ${wavFile.name}`, "info");
   });
   window.addEventListener("pagehide", () => closeCall("the page was closed"));
-  window.viewer = { connect, hangup: () => closeCall("hung up"), metrics };
+  window.viewer = { connect, hangup: () => closeCall("hung up"), interrupt, metrics };
   nextAudio = prepareAudio();
   pollWorker();
   setInterval(pollWorker, 1000);
