@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "characters_jax.checkpoint",  # init-checkpoint
     "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
     "characters_jax.numerics",  # numerics
+    "characters_jax.data.commands",  # data, lipsync
 )
 
 

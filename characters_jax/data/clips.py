@@ -109,14 +109,20 @@ def _utterances(rng: np.random.Generator, split: str, seconds: float) -> tuple[l
 
 
 def plan_clip(split: str, index: int, spec: ClipSpec, seed: int = 0, voice: EspeakVoice | None = None) -> ClipPlan:
-    """The clip's audio, phonemes, track, identity and frame parameters (espeak-ng, no rendering)."""
+    """The clip's audio, phonemes, track, identity and frame parameters (espeak-ng, no rendering).
+    Without a voice, one for this call (EspeakVoice.for_this_process: cheap in a data worker;
+    pass one to make many plans in a process with jax)."""
     streams = np.random.SeedSequence([int(seed), split_id(split), int(index)]).spawn(4)
     rng_id, rng_speech, rng_motion, rng_noise = (np.random.default_rng(s) for s in streams)
     ident = identity_lib.sample_identity(rng_id, heldout=split == "heldout")
 
     seconds = spec.num_frames / spec.fps
     utterances, settings = _utterances(rng_speech, split, seconds)
-    speeches = (voice or EspeakVoice()).say(utterances)
+    if voice is None:
+        with EspeakVoice.for_this_process() as own:
+            speeches = own.say(utterances)
+    else:
+        speeches = voice.say(utterances)
 
     n = spec.num_samples
     audio = np.zeros(n, np.float64)

@@ -2,7 +2,7 @@
 
 `render_frames(identity, params, height, width)` draws one identity (float32
 [IDENTITY_SIZE], see `identity`) for T frames of parameters (float32 [T, FRAME_PARAMS], see
-`motion`) into uint8 [T, H, W, 3]; `render_batch` does [B] identities at once. Every shape is
+`motion`) into uint8 [T, H, W, 3]; `render_batch` does [B] identities at once; `draw_frame` is the traceable single frame. Every shape is
 an (approximate) signed distance field; a pixel's coverage is a smoothstep of its distance
 over one pixel, so edges are anti-aliased at any size. Frames are vmapped and jitted per
 (H, W): GPU speed on the training machine, and fast enough on a CPU.
@@ -75,8 +75,9 @@ def _over(img, colour, d, px, alpha=1.0):
     return img * (1.0 - a) + jnp.broadcast_to(colour, img.shape) * a
 
 
-def _render_one(identity, params, height: int, width: int):
-    """float32 [H, W, 3] in [0, 1] of one frame."""
+def draw_frame(identity, params, height: int, width: int):
+    """float32 [H, W, 3] in [0, 1]: one frame of identity [IDENTITY_SIZE] with params [FRAME_PARAMS]
+    (traceable: vmap and jit it as needed)."""
     unit = layout_unit(height, width)
     px = 1.0 / unit
     c, s = _unpack(identity)
@@ -191,24 +192,18 @@ def _features(img, hx, hy, c, s, jaw, mouth_w, blink, px):
     return over(img, c["lips"] * 0.55, seam, jnp.clip(1.0 - 6.0 * jaw, 0.0, 1.0))
 
 
-@functools.partial(jax.jit, static_argnames=("height", "width"))
-def render_float(identity, params, height: int, width: int):
-    """float32 [T, H, W, 3] in [0, 1]: identity [IDENTITY_SIZE], params [T, FRAME_PARAMS]."""
-    return jax.vmap(lambda p: _render_one(identity, p, height, width))(params)
-
-
 def _to_uint8(img):
     return jnp.round(img * 255.0).astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("height", "width"))
 def _render_frames(identity, params, height: int, width: int):
-    return _to_uint8(jax.vmap(lambda p: _render_one(identity, p, height, width))(params))
+    return _to_uint8(jax.vmap(lambda p: draw_frame(identity, p, height, width))(params))
 
 
 @functools.partial(jax.jit, static_argnames=("height", "width"))
 def _render_batch(identities, params, height: int, width: int):
-    frames = jax.vmap(jax.vmap(_render_one, (None, 0, None, None)), (0, 0, None, None))
+    frames = jax.vmap(jax.vmap(draw_frame, (None, 0, None, None)), (0, 0, None, None))
     return _to_uint8(frames(identities, params, height, width))
 
 

@@ -28,15 +28,25 @@ import numpy as np
 
 from characters_jax.data.clips import Clip, ClipPlan, ClipSpec, plan_clip, render_plans
 from characters_jax.data.identity import COLOURS, SHAPES
-from characters_jax.data.speech import Phoneme
+from characters_jax.data.speech import EspeakVoice, Phoneme
 
 FORMAT = "characters-jax-clips/1"
 MANIFEST = "manifest.json"
 
 
+# A worker process's own espeak-ng (forking from the worker itself, which has no other
+# threads at work); set by the pool's initializer, one per worker process.
+_worker_voice: EspeakVoice | None = None
+
+
+def _init_worker() -> None:
+    global _worker_voice
+    _worker_voice = EspeakVoice(mode="fork")
+
+
 def _plan_task(args) -> ClipPlan:
     split, index, spec, seed = args
-    return plan_clip(split, index, spec, seed)
+    return plan_clip(split, index, spec, seed, _worker_voice)
 
 
 class Progress:
@@ -112,7 +122,7 @@ def write_shards(out_dir, split: str, num_clips: int, spec: ClipSpec, seed: int 
             shards.append({"file": name, "clips": len(chunk), "first_index": chunk[0].plan.index})
 
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(workers, initializer=_init_worker) as pool:
         for plan in pool.imap(_plan_task, tasks, chunksize=1):
             plans.append(plan)
             if len(plans) == render_batch:

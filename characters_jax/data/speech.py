@@ -1,50 +1,31 @@
-"""Speech with per-phoneme timings from espeak-ng, driven through ctypes.
+"""Speech with per-phoneme timings from espeak-ng.
 
 espeak-ng comes from the PyPI wheel `espeakng-loader` (the optional `train` extra: it
 bundles libespeak-ng 1.52 and its data; espeak-ng is GPL-3.0-or-later). Only data and
 training code import this module; the serving path never does.
 
-The library keeps synthesis state between calls (the pitch flutter index, the wave
-generator's filters), so the same text said twice in one process gives slightly different
-samples, and it seeds its noise generator from the clock. Every `EspeakVoice.say`
-therefore synthesizes in a forked child of a process that has initialised the library but
-never synthesized, with the noise seeded per utterance: each call starts from the same
-state and gives the same bytes whatever ran before. The child runs only espeak-ng and
-writes raw samples to a pipe (no numpy, no jax), which is what makes the fork safe in a
-process with threads.
-
-Output: 16 kHz mono int16 (resampled from espeak's 22,050 Hz with a polyphase filter) and
-the phonemes as IPA with start and end times. Linux and macOS (needs os.fork).
+`EspeakVoice.say(utterances)` gives each utterance's speech: 16 kHz mono int16 (resampled
+from espeak's 22,050 Hz with a polyphase filter) and its phonemes as IPA with start and end
+times. The same call gives the same bytes whatever the process synthesized before (see
+`espeak`: each call runs from the library's initial state in a forked child of a clean
+helper process). Linux and macOS (needs os.fork).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import os
-import pickle
-import warnings
+import subprocess
+import sys
+import threading
+import weakref
 
 import numpy as np
 
+from characters_jax.data import espeak
+from characters_jax.data.espeak import EspeakError
+
 SAMPLE_RATE = 16000  # Hz, the project's audio rate
-
-# speak_lib.h
-_AUDIO_OUTPUT_SYNCHRONOUS = 2
-_INIT_PHONEME_EVENTS = 0x0001
-_INIT_PHONEME_IPA = 0x0002
-_INIT_DONT_EXIT = 0x8000
-_EVENT_LIST_TERMINATED = 0
-_EVENT_END = 5
-_EVENT_MSG_TERMINATED = 6
-_EVENT_PHONEME = 7
-_PARAM_RATE, _PARAM_VOLUME, _PARAM_PITCH, _PARAM_RANGE = 1, 2, 3, 4
-_CHARS_UTF8 = 1
-_POS_CHARACTER = 1
-
-
-class EspeakError(RuntimeError):
-    """espeak-ng is missing, rejected a voice, or failed to synthesize."""
+__all__ = ["SAMPLE_RATE", "EspeakError", "EspeakVoice", "Phoneme", "Speech", "Utterance"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,95 +62,88 @@ class Speech:
         return len(self.audio) / SAMPLE_RATE
 
 
-class _EventId(ctypes.Union):
-    _fields_ = [("number", ctypes.c_int), ("name", ctypes.c_char_p), ("string", ctypes.c_char * 8)]
-
-
-class _Event(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("unique_identifier", ctypes.c_uint), ("text_position", ctypes.c_int),
-                ("length", ctypes.c_int), ("audio_position", ctypes.c_int), ("sample", ctypes.c_int),
-                ("user_data", ctypes.c_void_p), ("id", _EventId)]
-
-
-_Callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_short), ctypes.c_int, ctypes.POINTER(_Event))
-
-
-def library_paths() -> tuple[str, str]:
-    """(libespeak-ng path, espeak-ng-data path) from the espeakng-loader wheel."""
-    try:
-        import espeakng_loader
-    except ImportError as err:
-        raise EspeakError("espeak-ng is not installed: pip install -e '.[train]' (espeakng-loader)") from err
-    return espeakng_loader.get_library_path(), espeakng_loader.get_data_path()
-
-
 class EspeakVoice:
-    """espeak-ng loaded and initialised in this process (synchronous mode, IPA phoneme events).
+    """Speech synthesis from espeak-ng's initial state at every call.
 
-    One per process is enough; the library is process-global and not thread-safe, so calls
-    to `say` from several threads must not overlap.
+    mode "helper" (the default) starts a helper process (`python -m characters_jax.data.espeak`:
+    no threads, no jax) that forks a child per call; mode "fork" forks from this process
+    itself, which must have no other threads at work (a data worker process). `close()` (or
+    leaving a `with` block) stops the helper; so does garbage collection.
     """
 
-    def __init__(self):
-        lib_path, data_path = library_paths()
-        lib = ctypes.CDLL(lib_path)
-        lib.espeak_Initialize.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.espeak_SetVoiceByName.argtypes = [ctypes.c_char_p]
-        lib.espeak_SetParameter.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.espeak_SetSynthCallback.argtypes = [_Callback]
-        lib.espeak_ng_SetRandSeed.argtypes = [ctypes.c_long]
-        lib.espeak_Synth.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int, ctypes.c_uint,
-                                     ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p]
-        rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 0, data_path.encode(),
-                                     _INIT_PHONEME_EVENTS | _INIT_PHONEME_IPA | _INIT_DONT_EXIT)
-        if rate <= 0:
-            raise EspeakError(f"espeak_Initialize failed ({rate}) with data at {data_path}")
-        self._lib = lib
-        self.native_rate = int(rate)  # Hz (22050)
+    def __init__(self, mode: str = "helper"):
+        if mode not in ("helper", "fork"):
+            raise ValueError(f"mode must be 'helper' or 'fork', got {mode!r}")
+        self._lib = None
+        self._helper = None
+        if mode == "fork":
+            self._lib = espeak.Library()
+            self.native_rate = self._lib.native_rate
+            return
+        proc = subprocess.Popen([sys.executable, "-m", "characters_jax.data.espeak"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+        self._helper = proc
+        self._close = weakref.finalize(self, _stop_helper, proc)
+        kind, value = self._receive()
+        if kind == "error":
+            self.close()
+            raise EspeakError(value)
+        self.native_rate = int(value)
+
+    @classmethod
+    def for_this_process(cls) -> "EspeakVoice":
+        """mode "fork" where that is safe here (no jax loaded, no other Python threads: a data
+        worker), else "helper"."""
+        clean = "jax" not in sys.modules and threading.active_count() == 1
+        return cls(mode="fork" if clean else "helper")
+
+    def _receive(self):
+        try:
+            return espeak.receive(self._helper.stdout)
+        except EOFError as err:
+            raise EspeakError(f"the espeak-ng helper process exited (status {self._helper.poll()})") from err
 
     def say(self, utterances: list[Utterance] | tuple[Utterance, ...]) -> list[Speech]:
-        """Each utterance's speech, synthesized from the library's initial state."""
-        raw = _run_in_child(self._synthesize, list(utterances))
+        """Each utterance's speech (synthesized in order, from the initial state at every call)."""
+        requests = [dataclasses.astuple(u) for u in utterances]
+        if self._lib is not None:
+            raw = self._lib.isolated(requests)
+        else:
+            if self._helper is None:
+                raise EspeakError("this EspeakVoice is closed")
+            try:
+                espeak.send(self._helper.stdin, requests)
+            except (BrokenPipeError, OSError) as err:
+                raise EspeakError("the espeak-ng helper process is gone") from err
+            kind, raw = self._receive()
+            if kind == "error":
+                raise EspeakError(raw)
         return [_to_speech(pcm, events, self.native_rate) for pcm, events in raw]
 
-    def _synthesize(self, utterances: list[Utterance]) -> list[tuple[bytes, list[tuple[int, str, int]]]]:
-        """Runs in the child: [(int16 PCM bytes at native_rate, [(event type, phoneme, sample)])]."""
-        lib = self._lib
-        pcm: list[bytes] = []
-        events: list[tuple[int, str, int]] = []
+    def close(self) -> None:
+        if self._helper is not None:
+            self._close()
+            self._helper = None
 
-        def on_audio(wav, num, ev):
-            i = 0
-            while ev[i].type != _EVENT_LIST_TERMINATED:
-                e = ev[i]
-                name = e.id.string.decode("utf-8", "replace") if e.type == _EVENT_PHONEME else ""
-                events.append((e.type, name, e.sample))
-                i += 1
-            if num > 0:
-                pcm.append(ctypes.string_at(wav, 2 * num))
-            return 0
+    def __enter__(self) -> "EspeakVoice":
+        return self
 
-        callback = _Callback(on_audio)
-        lib.espeak_SetSynthCallback(callback)
-        libc = ctypes.CDLL(None)
-        out = []
-        for u in utterances:
-            pcm.clear()
-            events.clear()
-            if lib.espeak_SetVoiceByName(u.voice.encode()) != 0:
-                raise EspeakError(f"espeak-ng has no voice {u.voice!r}")
-            for param, value in ((_PARAM_RATE, u.rate), (_PARAM_VOLUME, u.volume), (_PARAM_PITCH, u.pitch),
-                                 (_PARAM_RANGE, u.pitch_range)):
-                lib.espeak_SetParameter(param, int(value), 0)
-            lib.espeak_ng_SetRandSeed(ctypes.c_long(u.noise_seed))  # breath noise (seeded from the clock otherwise)
-            libc.srand(ctypes.c_uint(u.noise_seed & 0xFFFFFFFF))  # libc rand(), which the library reads too
-            text = u.text.encode()
-            status = lib.espeak_Synth(text, len(text) + 1, 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None)
-            lib.espeak_Synchronize()
-            if status != 0:
-                raise EspeakError(f"espeak_Synth failed ({status}) on {u.text!r}")
-            out.append((b"".join(pcm), list(events)))
-        return out
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stop_helper(proc) -> None:
+    try:
+        espeak.send(proc.stdin, None)
+        proc.stdin.close()
+    except (OSError, ValueError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
 
 
 def _to_speech(pcm: bytes, events: list[tuple[int, str, int]], native_rate: int) -> Speech:
@@ -183,8 +157,8 @@ def _to_speech(pcm: bytes, events: list[tuple[int, str, int]], native_rate: int)
     audio = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
     # A phoneme lasts until the next phoneme event (pauses included) or the end of the text;
     # "(en)"-style events mark a switch of language, not a sound.
-    marks = [(name, sample) for kind, name, sample in events if kind == _EVENT_PHONEME and not name.startswith("(")]
-    ends = [sample for kind, _, sample in events if kind in (_EVENT_END, _EVENT_MSG_TERMINATED)]
+    marks = [(name, sample) for kind, name, sample in events if kind == espeak.EVENT_PHONEME and not name.startswith("(")]
+    ends = [sample for kind, _, sample in events if kind in (espeak.EVENT_END, espeak.EVENT_MSG_TERMINATED)]
     last = max(ends + [len(x)]) if marks else 0
     phonemes = []
     for k, (name, sample) in enumerate(marks):
@@ -192,39 +166,3 @@ def _to_speech(pcm: bytes, events: list[tuple[int, str, int]], native_rate: int)
         if name and end > sample:
             phonemes.append(Phoneme(name, sample / native_rate, min(end, len(x)) / native_rate))
     return Speech(audio, tuple(phonemes))
-
-
-def _run_in_child(fn, arg):
-    """fn(arg) in a forked child; its result (or its error) comes back through a pipe."""
-    read_fd, write_fd = os.pipe()
-    with warnings.catch_warnings():
-        # The child touches no lock another thread could hold: espeak-ng, ctypes and a pipe.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # child: never returns
-        code = 0
-        try:
-            os.close(read_fd)
-            try:
-                payload = pickle.dumps(("ok", fn(arg)))
-            except Exception as err:  # reported to the parent
-                payload = pickle.dumps(("error", f"{type(err).__name__}: {err}"))
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(write_fd, view):]
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    chunks = []
-    with os.fdopen(read_fd, "rb") as f:
-        while block := f.read(1 << 20):
-            chunks.append(block)
-    _, status = os.waitpid(pid, 0)
-    if not chunks:
-        raise EspeakError(f"the espeak-ng child exited without a result (status {status})")
-    kind, value = pickle.loads(b"".join(chunks))
-    if kind == "error":
-        raise EspeakError(value)
-    return value

@@ -1,0 +1,78 @@
+"""`characters-jax lipsync`: train-probe, evaluate, score."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+
+
+def _train_probe(args) -> int:
+    from characters_jax.lipsync.probe import default_path
+    from characters_jax.lipsync.train import TrainSpec, train_probe
+
+    spec = TrainSpec(kind=args.kind, steps=args.steps, batch=args.batch, pool=args.pool, seed=args.seed, lr=args.lr)
+    probe, meta = train_probe(spec)
+    out = args.out or default_path(args.kind)
+    command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    probe = dataclasses.replace(probe, cfg=dataclasses.replace(probe.cfg, meta={**probe.cfg.meta, "command": command}))
+    probe.save(out)
+    print(json.dumps(meta["validation"], indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _evaluate(args) -> int:
+    from characters_jax.lipsync.evaluate import evaluate
+
+    result = evaluate(clips=args.clips, seconds=args.seconds, height=args.height, width=args.width, seed=args.seed,
+                      identities=args.identities)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def _score(args) -> int:
+    from characters_jax.lipsync.evaluate import score_directory
+
+    try:
+        result = score_directory(args.data, max_lag=args.max_lag)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"characters-jax lipsync score: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("lipsync", help="the lip-sync measure: train its probes, evaluate them, score clips")
+    sub = p.add_subparsers(dest="lipsync_command", metavar="ACTION", required=True)
+
+    t = sub.add_parser("train-probe", help="train the mouth or identity probe on rendered faces (no espeak)")
+    t.add_argument("--kind", choices=("mouth", "identity"), default="mouth")
+    t.add_argument("--steps", type=int, default=3000)
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--pool", type=int, default=8192, help="rendered frames the batches are drawn from")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default=None, help="weights file (default: the shipped characters_jax/lipsync/weights/)")
+    t.set_defaults(func=_train_probe)
+
+    e = sub.add_parser("evaluate", help="the probes and the score on held-out clips (espeak-ng speech)")
+    e.add_argument("--clips", type=int, default=24)
+    e.add_argument("--identities", type=int, default=24, help="held-out identities in the identification test")
+    e.add_argument("--seconds", type=float, default=8.0)
+    e.add_argument("--height", type=int, default=64)
+    e.add_argument("--width", type=int, default=96)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--json", default=None, help="also write the result here")
+    e.set_defaults(func=_evaluate)
+
+    s = sub.add_parser("score", help="lip sync of a data directory's frames against its mouth tracks")
+    s.add_argument("--data", required=True, help="a directory written by `characters-jax data`")
+    s.add_argument("--max-lag", type=int, default=15)
+    s.set_defaults(func=_score)
