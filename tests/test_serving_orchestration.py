@@ -143,6 +143,39 @@ def test_an_interrupt_cuts_at_the_reported_position_and_the_next_utterance_plays
     timeline_of(after, {2: reply})
 
 
+def test_the_asyncio_conversation_speaks_and_is_interrupted(worker):
+    """AsyncConversation over grpc.aio: the same stream, the same dropping after an interrupt."""
+    import asyncio
+
+    async def run():
+        channel, _ = cl.aio_channel(worker.address)
+        conv = cl.AsyncConversation.open(channel, cl.start_request(image=png(), playout_reports=False), balanced=False)
+        items, sent_interrupt, after_ack = [], False, None
+        async for item in conv:
+            items.append(item)
+            if isinstance(item, pb.Session):
+                conv.send_audio(speech(3.0))  # a burst; the worker paces by its wall clock
+            elif isinstance(item, pb.SpeechEvent) and item.kind == K.SPEAKING_STARTED and not sent_interrupt:
+                sent_interrupt = True
+                conv.interrupt()
+            elif isinstance(item, pb.SpeechEvent) and item.kind == K.INTERRUPTED:
+                after_ack = 0
+            elif isinstance(item, pb.VideoChunk) and after_ack is not None:
+                after_ack += 1
+                if after_ack == 3:
+                    conv.end_audio()
+        await channel.close()
+        return items
+
+    items = asyncio.run(run())
+    kinds = [type(x).__name__ if not isinstance(x, pb.SpeechEvent) else K.Kind.Name(x.kind) for x in items]
+    assert kinds[0] == "Session" and kinds[-1] == "SessionEvent" and items[-1].end_reason == pb.END_OF_AUDIO
+    ack = next(x for x in items if isinstance(x, pb.SpeechEvent) and x.kind == K.INTERRUPTED)
+    after = [x for x in items[items.index(ack):] if isinstance(x, pb.VideoChunk)]
+    assert len(after) >= 3 and all(x.step_index >= ack.resume_step and not x.speech for x in after)
+    wait_idle(worker.address)
+
+
 def test_limits_end_sessions_on_time_with_their_reason(worker, client):
     for limits, reason, seconds in ((pb.SessionLimits(idle_timeout_s=0.4), pb.IDLE_TIMEOUT, 0.4),
                                     (pb.SessionLimits(max_duration_s=0.6, idle_timeout_s=99), pb.MAX_DURATION, 0.6)):
@@ -250,6 +283,35 @@ def test_drain_lets_the_live_session_finish_and_refuses_new_ones():
         assert conv.final.end_reason == pb.DRAIN_TIMEOUT
 
 
+def test_the_balanced_channel_checks_health_on_the_client():
+    """Worker A holds a session (NOT_SERVING), B is idle. Through the library's balanced
+    channel every call goes to B (A's session is never found); the same channel with
+    grpc's client-side health checking switched off reaches A too."""
+    a, b = FakeWorker(CFG), FakeWorker(CFG)
+    try:
+        with cl.CharacterClient(a.address) as direct:
+            held = direct.create_session(png())
+        target = cl.parse_target(f"{a.address},{b.address}")
+
+        def found(options) -> list[bool]:
+            with grpc.insecure_channel(target.uri, options=options) as ch:
+                stub = characters_pb2_grpc.CharacterServiceStub(ch)
+                out = []
+                for _ in range(8):
+                    try:
+                        out.append(stub.GetSession(pb.GetSessionRequest(session_id=held.session_id), timeout=5, wait_for_ready=True).session_id == held.session_id)
+                    except grpc.RpcError as err:
+                        assert err.code() == grpc.StatusCode.NOT_FOUND
+                        out.append(False)
+                return out
+
+        assert found(target.options) == [False] * 8
+        assert any(found(target.options + [("grpc.inhibit_health_checking", 1)]))
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_balanced_client_places_sessions_on_idle_workers_only():
     """Three workers, one balanced channel per client (round_robin + health checks): nine
     sessions at once all complete, never two at a time on one worker."""
@@ -303,6 +365,16 @@ def test_a_refused_conversation_opens_again_until_its_timeout(worker, client):
     assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED) and time.monotonic() - t0 < 8
     client.close_session(blocker.session_id)
     wait_idle(worker.address)
+
+
+def test_a_live_stream_outlives_the_connection_age_limit():
+    """max_connection_age closes connections for new calls (clients re-resolve); the stream
+    in flight goes on to its end."""
+    with FakeWorker(CFG, WorkerOptions(max_connection_age_s=0.3)) as w, cl.CharacterClient(w.address) as c:
+        res = c.converse(None, speech(0.8), image=png(), realtime=True)
+        again = c.converse(None, speech(0.2), image=png(), realtime=False)
+    assert res.final_event.state == pb.COMPLETED and len(res.chunks) == TL.steps_for(int(0.8 * 16000))
+    assert again.final_event.state == pb.COMPLETED
 
 
 def test_a_chunk_larger_than_a_fixed_limit_streams():

@@ -10,6 +10,10 @@ limit. Clients receive without a limit: the worker bounds what it sends.
 Keepalive: the worker pings a client with a live stream every 10 s and drops it after 5 s
 without an answer, so a client that vanished (no FIN, no RST) ends its session within
 ~15 s; the client pings every 20 s.
+
+Connection age (optional): the worker closes a client connection gracefully after
+`max_connection_age_s` (GOAWAY; streams in flight go on to their end), so clients of a
+dns:/// target re-resolve and find workers added since.
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ def latent_message_bytes(cfg: Config) -> int:
     return 4 * v.grid_h * v.grid_w * m.latent_channels + _FRAMING
 
 
-def worker_server_options(cfg: Config, max_image_bytes: int) -> list[tuple[str, int]]:
+def worker_server_options(cfg: Config, max_image_bytes: int, max_connection_age_s: float = 0.0) -> list[tuple[str, int]]:
+    """max_connection_age_s: 0 keeps connections open for good."""
+    age = [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000))] if max_connection_age_s > 0 else []
     return [
         ("grpc.max_send_message_length", chunk_message_bytes(cfg)),
         ("grpc.max_receive_message_length", max_image_bytes + REQUEST_ROOM),
         ("grpc.so_reuseport", 0),
         *SERVER_KEEPALIVE,
+        *age,
     ]
 
 

@@ -196,7 +196,27 @@ class _Receiver:
         return msg
 
 
-class Conversation:
+class _Senders:
+    """The requests a conversation sends after its start; `send` puts one on the stream."""
+
+    def send(self, request: pb.ConverseRequest) -> None:
+        raise NotImplementedError
+
+    def send_audio(self, pcm) -> None:
+        """Speech: int16 samples, or s16le bytes."""
+        self.send(audio_request(pcm))
+
+    def end_speech(self) -> None:
+        self.send(END_OF_SPEECH)
+
+    def end_audio(self) -> None:
+        self.send(END_OF_AUDIO)
+
+    def report_playout(self, frames_played: int, underruns: int = 0) -> None:
+        self.send(playout_request(frames_played, underruns))
+
+
+class Conversation(_Senders):
     """One session's Converse stream (threads; see the module docstring). Iterate from one
     thread; the senders may be called from any thread."""
 
@@ -258,19 +278,6 @@ class Conversation:
     def send(self, request: pb.ConverseRequest) -> None:
         if not self._done.is_set():
             self._outbox.put(request)
-
-    def send_audio(self, pcm) -> None:
-        """Speech: int16 samples, or s16le bytes."""
-        self.send(audio_request(pcm))
-
-    def end_speech(self) -> None:
-        self.send(END_OF_SPEECH)
-
-    def end_audio(self) -> None:
-        self.send(END_OF_AUDIO)
-
-    def report_playout(self, frames_played: int, underruns: int = 0) -> None:
-        self.send(playout_request(frames_played, underruns))
 
     def interrupt(self, frames_played: int | None = None) -> None:
         """Barge-in. With a PlayoutClock, it is flushed and its position sent; otherwise
@@ -352,7 +359,7 @@ class Conversation:
         self.close()
 
 
-class AsyncConversation:
+class AsyncConversation(_Senders):
     """`Conversation` over grpc.aio: the same requests and the same dropping after an
     interrupt; `async for item in conv` yields the same messages. Build it with
     `AsyncConversation.open(channel, start_request(...), balanced=...)`."""
@@ -383,18 +390,6 @@ class AsyncConversation:
 
     def send(self, request: pb.ConverseRequest) -> None:
         self._outbox.put_nowait(request)
-
-    def send_audio(self, pcm) -> None:
-        self.send(audio_request(pcm))
-
-    def end_speech(self) -> None:
-        self.send(END_OF_SPEECH)
-
-    def end_audio(self) -> None:
-        self.send(END_OF_AUDIO)
-
-    def report_playout(self, frames_played: int, underruns: int = 0) -> None:
-        self.send(playout_request(frames_played, underruns))
 
     def interrupt(self, frames_played: int | None = None, underruns: int = 0) -> None:
         """frames_played: the client's playback position when it cut playback (it discards
@@ -482,9 +477,13 @@ class ConverseResult:
 
 
 class CharacterClient:
-    def __init__(self, target: str, balanced: bool | None = None):
-        """target: 'host:port', 'h1:p1,h2:p2,...' or 'dns:///name:port' (see parse_target)."""
+    def __init__(self, target: str, balanced: bool | None = None, reopen: bool | None = None):
+        """target: 'host:port', 'h1:p1,h2:p2,...' or 'dns:///name:port' (see parse_target).
+        reopen: a conversation that a worker refuses (RESOURCE_EXHAUSTED, UNAVAILABLE) before
+        its Session tries again until its open_timeout; default on for a balanced target (set
+        it for one address that is a balancing proxy, such as Envoy)."""
         self.target = parse_target(target, balanced)
+        self.reopen = self.target.balanced if reopen is None else reopen
         self.address = target
         self.channel = grpc.insecure_channel(self.target.uri, options=self.target.options)
         self.stub = characters_pb2_grpc.CharacterServiceStub(self.channel)
@@ -535,7 +534,8 @@ class CharacterClient:
         reports = playout is not None if playout_reports is None else playout_reports
         start = start_request(session_id=session_id, image=image, prompt=prompt, seed=seed, limits=limits, playout_reports=reports,
                               begin_with_speech=begin_with_speech, audio_format=audio_format)
-        return Conversation(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout)
+        return Conversation(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout,
+                            reopen=self.reopen and not session_id)
 
     def converse(
         self,

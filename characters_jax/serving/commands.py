@@ -76,6 +76,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-queued-audio", type=float, default=60.0,
                    help="seconds of speech a client may send ahead of its playback; more fails the session RESOURCE_EXHAUSTED")
     p.add_argument("--worker-id", default="", help="this worker's name in Session.worker_id (default: host name:port)")
+    p.add_argument("--max-connection-age", type=float, default=0.0,
+                   help="close each client connection gracefully after this many seconds (live streams go on), so clients of "
+                        "a dns:/// target re-resolve and find new workers; 0: never")
     p.add_argument("--max-image-bytes", type=int, default=4 << 20)
     p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
     p.add_argument("--log-level", default="info")
@@ -106,6 +109,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-duration", type=float, default=None, help="ask for a shorter max_duration than the worker's, seconds")
     p.add_argument("--idle-timeout", type=float, default=None, help="ask for a shorter idle_timeout than the worker's, seconds")
     p.add_argument("--open-timeout", type=float, default=300.0, help="seconds to wait for an idle worker to take the session")
+    p.add_argument("--wait-for-worker", action="store_true",
+                   help="retry a refused session (busy: RESOURCE_EXHAUSTED, draining: UNAVAILABLE) until --open-timeout; "
+                        "on by default for a list or DNS target; use it for one address that is a balancing proxy (Envoy)")
     p.set_defaults(func=_talk)
 
     p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")

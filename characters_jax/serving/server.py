@@ -152,11 +152,12 @@ def worker_options(args) -> "WorkerOptions":
     from characters_jax.serving.worker import WorkerOptions
 
     flags = {"lead_chunks": "--lead-chunks", "ready_timeout_s": "--ready-timeout", "max_duration_s": "--max-duration",
-             "idle_timeout_s": "--idle-timeout", "max_queued_audio_s": "--max-queued-audio", "drain_timeout_s": "--drain-timeout"}
+             "idle_timeout_s": "--idle-timeout", "max_queued_audio_s": "--max-queued-audio", "drain_timeout_s": "--drain-timeout",
+             "max_connection_age_s": "--max-connection-age"}
     try:
         return WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, max_duration_s=args.max_duration,
                              idle_timeout_s=args.idle_timeout, max_queued_audio_s=args.max_queued_audio, drain_timeout_s=args.drain_timeout,
-                             worker_id=args.worker_id, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
+                             worker_id=args.worker_id, max_connection_age_s=args.max_connection_age, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
     except ValueError as err:
         name = str(err).split(":", 1)[0]
         raise ValueError(f"{flags.get(name, name)}: {str(err).split(':', 1)[1].strip()}") from None

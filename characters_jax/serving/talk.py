@@ -24,11 +24,12 @@ _ENC = {"s16le": pb.AudioFormat.PCM_S16LE}
 
 
 def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "", seed: int = 0, realtime: bool = True, progress=sys.stderr,
-             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0) -> dict:
-    """Runs a session and writes `out_path`. Returns the summary dict. Raises grpc.RpcError."""
+             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0, wait_for_worker: bool | None = None) -> dict:
+    """Runs a session and writes `out_path`. Returns the summary dict. Raises grpc.RpcError.
+    wait_for_worker: retry a refused session until open_timeout (default: for a balanced target)."""
     image = pathlib.Path(image_path).read_bytes()
     samples, fmt = read_wav(str(audio_path))
-    with CharacterClient(target) as client:
+    with CharacterClient(target, reopen=wait_for_worker) as client:
         t0 = time.monotonic()
         opened = {}
 
@@ -67,7 +68,7 @@ def talk_command(args) -> int:
     limits = pb.SessionLimits(max_duration_s=args.max_duration or 0, idle_timeout_s=args.idle_timeout or 0)
     try:
         summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, seed=args.seed, realtime=not args.fast,
-                           limits=limits, open_timeout=args.open_timeout)
+                           limits=limits, open_timeout=args.open_timeout, wait_for_worker=args.wait_for_worker or None)
     except grpc.RpcError as err:
         print(f"characters-jax talk: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -44,6 +44,7 @@ class WorkerOptions:
     max_queued_audio_s: float = 60.0  # speech received ahead of its step, at most
     drain_timeout_s: float = 300.0  # how long a draining worker lets its live session go on
     worker_id: str = ""  # reported in Session.worker_id
+    max_connection_age_s: float = 0.0  # close client connections gracefully after this (0: never), so DNS clients re-resolve
     image_limits: ImageLimits = ImageLimits()
 
     def __post_init__(self):
@@ -52,8 +53,9 @@ class WorkerOptions:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.lead_chunks < 1:
             raise ValueError(f"lead_chunks: must be >= 1, got {self.lead_chunks}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s: must be >= 0, got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "max_connection_age_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass

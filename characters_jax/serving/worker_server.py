@@ -31,7 +31,7 @@ class WorkerServer:
         failed). Serving starts with `start()`. An empty options.worker_id becomes
         "<host name>:<port>"."""
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                                  options=worker_server_options(ctx.config, options.image_limits.max_bytes))
+                                  options=worker_server_options(ctx.config, options.image_limits.max_bytes, options.max_connection_age_s))
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         self.address = f"{host}:{self.port}"
         self.ctx = ctx
