@@ -41,6 +41,8 @@ def run_stage(name: str, state, step_fn: Callable, next_batch: Callable, *, stor
     the plan, max_steps or budget_s (seconds of this call) is reached; checkpoints to
     `store`. Returns (state, record); record gains 'history' rows [step, seconds, metrics...],
     'planned_steps', 'seconds' (all runs), 'examples_per_s'."""
+    if budget_s <= 0:
+        return state, record
     t0 = time.monotonic()
     step = int(jax.device_get(state.step))
     history = record.setdefault("history", [])

@@ -1,0 +1,200 @@
+"""Evaluation of a weights directory on held-out clips, through the service's own path.
+
+For each held-out clip (held-out identity, voice and words): the portrait is encoded by
+the decoder process's `VaeRuntime`, `DiTGenerator` prefills the sink with it and the
+prompt, every step gets the audio tokens `AudioFrontEnd` cuts from the clip's speech, and
+the decoder decodes each latent frame with its temporal state carried, as a session does.
+The lip-sync measure (`characters_jax.lipsync`) scores the frames against the clip's
+ground-truth mouth track; rows of the table:
+
+  ground truth          the renderer's frames of the clip (the measure's ceiling)
+  ground truth, shuffled   the same frames against another clip's track
+  generated             the trained model's frames
+  generated, shuffled   the same frames against another clip's track
+  random weights        the untrained model's frames (random DiT and VAE)
+
+Identity: the generated clip is nearest to its own portrait among all held-out portraits
+(the identity probe). Drift: one long session, its first and last `window_s` seconds
+(lip-sync confidence, identity distance to the portrait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from characters_jax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    clips: int = 51
+    window_s: float = 10.0
+    seed: int = 0
+    prompt: str = "a friendly character, talking"
+    random_baseline: bool = True
+
+
+def portrait(identity: np.ndarray, params: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, 3]: the clip's reference image (frame 0's pose, mouth closed, eyes open)."""
+    from characters_jax.data.face import render_frames
+    from characters_jax.train.faces import still_params
+
+    return render_frames(identity, still_params(params, 1), height, width)[0]
+
+
+def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str, seed: int = 1,
+             frames: int | None = None) -> np.ndarray:
+    """uint8 [T, H, W, 3]: a session of `generator` (DiTGenerator) and `vae` (VaeRuntime)
+    on image uint8 [H, W, 3] and int16 speech [N], step by step as the worker runs it."""
+    from characters_jax.audio.features import AudioFrontEnd
+    from characters_jax.audio.timeline import Timeline
+
+    fe = AudioFrontEnd(cfg)
+    timeline = Timeline.from_config(cfg)
+    latent = np.asarray(vae.encode(image))
+    generator.start_session(latent, list(prompt.encode("utf-8")), seed)
+    state = vae.initial_state()
+    out = []
+    for s in range(timeline.steps_for(len(audio))):
+        z = generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
+        chunk, state = vae.decode(state, z)
+        out.append(np.asarray(chunk))
+    video = np.concatenate(out)
+    return video[:frames] if frames is not None else video
+
+
+def _mean(values) -> float:
+    return round(float(np.mean(values)), 4)
+
+
+def _row(scores) -> dict:
+    lags = np.asarray([s.lag for s in scores])
+    return {"peak": _mean([s.peak for s in scores]), "confidence": _mean([s.confidence for s in scores]),
+            "median_lag": float(np.median(lags)), "lag_within_1": _mean(np.abs(lags) <= 1)}
+
+
+def _identity_probe():
+    from characters_jax.lipsync.probe import load_probe
+
+    try:
+        return load_probe("identity")
+    except FileNotFoundError:
+        return None
+
+
+def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, log=print) -> dict:
+    """Scores of `weights` (a weights directory) on `plans` (PlanSet of held-out clips) and,
+    given `session` (a PlanSet of one long held-out clip), the drift figures."""
+    from characters_jax.data.face import render_frames
+    from characters_jax.decoder.runtime import VaeRuntime
+    from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.lipsync.identity import identify, identity_distance
+    from characters_jax.lipsync.probe import load_probe
+    from characters_jax.lipsync.score import score
+
+    t0 = time.monotonic()
+    h, w = cfg.video.height, cfg.video.width
+    mouth, ident_probe = load_probe("mouth"), _identity_probe()
+    n = len(plans)
+    frames_n = plans.params.shape[1]
+    portraits = [portrait(plans.identity[i], plans.params[i], h, w) for i in range(n)]
+    tracks = plans.track
+    other = [(i + 1) % n for i in range(n)]  # the shuffled pairing: another clip's track
+
+    def sessions(gen, vae, label):
+        out = []
+        for i in range(n):
+            out.append(generate(cfg, gen, vae, portraits[i], plans.audio[i], settings.prompt, seed=settings.seed + i,
+                                frames=frames_n))
+        log(f"eval: {label}: {n} clips generated ({time.monotonic() - t0:.0f} s)")
+        return out
+
+    gt = [render_frames(plans.identity[i], plans.params[i], h, w) for i in range(n)]
+    gen = DiTGenerator(cfg, checkpoint=dit_checkpoint(weights.path, cfg))
+    vae = VaeRuntime(cfg, checkpoint=weights.path)
+    made = sessions(gen, vae, "trained")
+    rows = {
+        "ground truth": [score(gt[i], tracks[i], mouth) for i in range(n)],
+        "ground truth, shuffled": [score(gt[i], tracks[other[i]], mouth) for i in range(n)],
+        "generated": [score(made[i], tracks[i], mouth) for i in range(n)],
+        "generated, shuffled": [score(made[i], tracks[other[i]], mouth) for i in range(n)],
+    }
+    if settings.random_baseline:
+        rand = sessions(DiTGenerator(cfg, seed=settings.seed), VaeRuntime(cfg, seed=settings.seed), "random weights")
+        rows["random weights"] = [score(rand[i], tracks[i], mouth) for i in range(n)]
+    table = {k: _row(v) for k, v in rows.items()}
+    result = {"config": cfg.name, "clips": n, "frames": int(frames_n), "seconds": frames_n / cfg.video.fps,
+              "table": table, "per_clip": {k: [s.as_dict() for s in v] for k, v in rows.items()}}
+    g, gs, t = table["generated"]["confidence"], table["generated, shuffled"]["confidence"], table["ground truth"]["confidence"]
+    result["targets"] = {"confidence_vs_ground_truth": round(g / t, 3) if t else None,
+                         "confidence_vs_shuffled": round(g / gs, 3) if gs > 0 else None,
+                         "median_lag": table["generated"]["median_lag"]}
+    if ident_probe is not None:
+        refs = np.stack(portraits)
+        kept = [identify(made[i], refs, ident_probe).rank_of(i) == 0 for i in range(n)]
+        result["identity"] = {"kept": _mean(kept), "clips": n,
+                              "distance": _mean([identity_distance(made[i], portraits[i], ident_probe) for i in range(n)]),
+                              "ground_truth_distance": _mean([identity_distance(gt[i], portraits[i], ident_probe)
+                                                              for i in range(n)])}
+    else:
+        result["identity"] = "no identity probe weights (characters_jax/lipsync/weights/identity_probe.npz)"
+    if session is not None and len(session):
+        result["drift"] = drift(cfg, gen, vae, session, settings, mouth, ident_probe)
+        log(f"eval: drift session of {result['drift']['seconds']:.0f} s done ({time.monotonic() - t0:.0f} s)")
+    result["seconds_taken"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def drift(cfg: Config, gen, vae, session, settings: EvalSettings, mouth, ident_probe) -> dict:
+    """Lip sync and identity over the first and the last window_s seconds of one session."""
+    from characters_jax.lipsync.identity import identity_distance
+    from characters_jax.lipsync.score import score
+
+    h, w = cfg.video.height, cfg.video.width
+    image = portrait(session.identity[0], session.params[0], h, w)
+    frames_n = session.params.shape[1]
+    video = generate(cfg, gen, vae, image, session.audio[0], settings.prompt, seed=settings.seed, frames=frames_n)
+    win = int(round(settings.window_s * cfg.video.fps))
+    out = {"seconds": frames_n / cfg.video.fps, "window_s": settings.window_s}
+    for name, sl in (("first", slice(0, win)), ("last", slice(frames_n - win, frames_n))):
+        s = score(video[sl], session.track[0][sl], mouth)
+        out[name] = {"peak": round(s.peak, 4), "confidence": round(s.confidence, 4), "lag": s.lag}
+        if ident_probe is not None:
+            out[name]["identity_distance"] = round(identity_distance(video[sl], image, ident_probe), 4)
+    first, last = out["first"]["confidence"], out["last"]["confidence"]
+    out["confidence_change"] = round((last - first) / first, 4) if first else None
+    if ident_probe is not None:
+        a, b = out["first"]["identity_distance"], out["last"]["identity_distance"]
+        out["identity_distance_change"] = round((b - a) / a, 4) if a else None
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The table of `evaluate`'s result, as markdown."""
+    lines = [f"Held-out clips: {result['clips']} x {result['seconds']:.1f} s, config {result['config']}.", "",
+             "| video | scored against the | peak corr. | confidence | median lag | lag within 1 frame |",
+             "|---|---|---|---|---|---|"]
+    for name, row in result["table"].items():
+        video, _, against = name.partition(", ")
+        lines.append(f"| {video} | {'another clip' if against else 'its own'} track | {row['peak']:.3f} | "
+                     f"{row['confidence']:.3f} | {row['median_lag']:+.0f} | {100 * row['lag_within_1']:.0f}% |")
+    t = result["targets"]
+    lines += ["", f"Generated confidence: {t['confidence_vs_ground_truth']} x the ground truth's (target >= 0.7), "
+              f"{t['confidence_vs_shuffled']} x shuffled audio's (target >= 3); median lag {t['median_lag']:+.0f} "
+              "frames (target within 1)."]
+    ident = result.get("identity")
+    if isinstance(ident, dict):
+        lines.append(f"Identity kept (nearest to its own portrait among {ident['clips']}): "
+                     f"{100 * ident['kept']:.0f}% of clips (target >= 95%).")
+    d = result.get("drift")
+    if d:
+        lines.append(f"Drift over a {d['seconds']:.0f} s session: confidence {d['first']['confidence']:.3f} in the "
+                     f"first {d['window_s']:.0f} s, {d['last']['confidence']:.3f} in the last "
+                     f"({100 * (d['confidence_change'] or 0):+.1f}%; target within 10%)"
+                     + (f"; identity distance {d['first']['identity_distance']:.3f} -> "
+                        f"{d['last']['identity_distance']:.3f}." if "identity_distance" in d["first"] else "."))
+    return "\n".join(lines) + "\n"

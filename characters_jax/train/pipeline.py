@@ -1,0 +1,221 @@
+"""`train all`: data, VAE, latents, DiT, weights and evaluation within one deadline.
+
+Output directory (everything a rerun resumes from):
+  plans/     clip plans (train, heldout, session shards; made by worker processes from the
+             start, beside the VAE, which needs no speech)
+  vae/ dit/  the stages' checkpoints (`state_io.StageStore`; done.json when finished)
+  weights/   the result: a weights directory (`characters_jax.decoder.weights`), EMA
+             weights stored as bfloat16
+  weights.tar  the same, as one file to carry
+  eval/      eval.json and eval.md (`evaluate`)
+  summary.json  stage times, steps, examples/s, loss histories, the evaluation's table
+Time: the VAE and the DiT get their shares of the deadline (`BudgetSettings`); the DiT's is
+cut to what the deadline leaves after its reserve for the evaluation and the packing. A
+stage that already finished is not run again; one that was cut off resumes from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import tarfile
+import time
+
+import jax
+import numpy as np
+
+from characters_jax.config import Config
+from characters_jax.data.clips import ClipSpec
+from characters_jax.decoder.weights import LatentStats, open_weights, save_weights
+from characters_jax.train.evaluate import evaluate, markdown
+from characters_jax.train.latents import build_dit_data
+from characters_jax.train.plans import PlanMaker, load_plans
+from characters_jax.train.settings import TrainSettings
+from characters_jax.train.state_io import StageStore, write_json
+
+PACK_RESERVE_S = 20.0
+
+
+class Clock:
+    """Seconds since this run started, and the log line prefix."""
+
+    def __init__(self, deadline_s: float):
+        self.t0 = time.monotonic()
+        self.deadline_s = deadline_s
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    @property
+    def left(self) -> float:
+        return self.deadline_s - self.elapsed
+
+    def logger(self, stream=None):
+        def log(msg: str) -> None:
+            print(f"[{self.elapsed:6.1f}s] {msg}", file=stream, flush=True)
+
+        return log
+
+
+def plan_makers(cfg: Config, s: TrainSettings, plans_dir: pathlib.Path) -> dict[str, PlanMaker]:
+    d, v = s.data, cfg.video
+    spec = lambda seconds: ClipSpec(seconds=seconds, height=v.height, width=v.width, fps=v.fps,  # noqa: E731
+                                    chunk_frames=v.frames_per_step)
+    workers = d.workers or None
+    makers = {
+        "heldout": PlanMaker(plans_dir, "heldout", d.heldout_clips, spec(d.heldout_seconds), s.seed, workers, d.shard_size),
+        "train": PlanMaker(plans_dir, "train", d.train_clips, spec(d.clip_seconds), s.seed, workers, d.shard_size),
+    }
+    if d.session_seconds > 0:
+        # the drift session: a held-out clip past the evaluation's indices
+        makers["session"] = PlanMaker(plans_dir / "session", "heldout", 1, spec(d.session_seconds), s.seed, workers, 1,
+                                      first=d.heldout_clips)
+    return makers
+
+
+class PlanQueue:
+    """Runs the plan makers one after another in the background (held-out first)."""
+
+    def __init__(self, makers: dict[str, PlanMaker]):
+        self.makers = makers
+        order = [k for k in ("heldout", "session", "train") if k in makers]
+        import threading
+
+        self._thread = threading.Thread(target=self._run, args=(order,), daemon=True, name="plan-queue")
+        self.error: BaseException | None = None
+
+    def _run(self, order):
+        for k in order:
+            m = self.makers[k]
+            m.start()
+            m.wait()
+
+    def start(self) -> "PlanQueue":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        for m in self.makers.values():
+            m.stop()
+
+    def wait_for(self, name: str, clips: int, done: bool = False, poll_s: float = 0.5) -> None:
+        m = self.makers[name]
+        while not (m.done() if done else m.available() >= min(clips, m.count)):
+            if m.error is not None:
+                raise m.error
+            if not self._thread.is_alive() and not m.done():
+                raise RuntimeError(f"plan making stopped before the {name} plans were made")
+            time.sleep(poll_s)
+
+
+def pure(tree):
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = None, log=None) -> dict:
+    """Runs or resumes every stage into `out`; returns the summary (also summary.json)."""
+    from characters_jax.train.dit_train import train_dit
+    from characters_jax.train.vae_train import train_vae
+
+    deadline_s = deadline_s or s.budget.deadline_s
+    clock = Clock(deadline_s)
+    log = log or clock.logger()
+    out = pathlib.Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    b = s.budget
+    summary: dict = {"config": cfg.name, "deadline_s": deadline_s, "stages": {}}
+    log(f"train all: config {cfg.name}, deadline {deadline_s:.0f} s, backend {jax.default_backend()}, into {out}")
+
+    queue = PlanQueue(plan_makers(cfg, s, out / "plans")).start()
+    try:
+        # VAE
+        t = clock.elapsed
+        store = StageStore(out / "vae")
+        vae_budget = 0.0 if store.done else b.vae * deadline_s
+        vae, vae_params, vae_record = train_vae(cfg, s.vae, store, vae_budget, log, s.seed)
+        if not store.done:
+            store.mark_done({"step": vae_record.get("planned_steps")})
+        summary["stages"]["vae"] = _stage_summary(vae_record, clock.elapsed - t)
+
+        # latents
+        t = clock.elapsed
+        dit_store = StageStore(out / "dit")
+        resumed = dit_store.steps()
+        clips = None
+        if resumed:
+            clips = json.loads((dit_store.dir / f"step-{resumed[-1]:07d}.json").read_text()).get("clips")
+        queue.wait_for("train", clips or s.data.min_train_clips)
+        if clips is None and not queue.makers["train"].done():
+            log(f"latents: {queue.makers['train'].available()} of {s.data.train_clips} train clips planned; using those")
+        queue.makers["train"].stop()
+        plans = load_plans(out / "plans", "train", limit=clips)
+        data, stats = build_dit_data(cfg, vae, vae_params, plans, mouth_weight=s.dit.mouth_weight)
+        jax.block_until_ready(data)
+        summary["stages"]["latents"] = {"seconds": round(clock.elapsed - t, 1), "clips": len(plans),
+                                        "steps_per_clip": int(data.latents.shape[1])}
+        log(f"latents: {len(plans)} clips x {data.latents.shape[1]} steps in {clock.elapsed - t:.1f} s")
+
+        # DiT
+        t = clock.elapsed
+        dit_budget = 0.0 if dit_store.done else max(0.0, min(b.dit * deadline_s,
+                                                           clock.left - b.eval * deadline_s - PACK_RESERVE_S))
+        graphdef, dit_params, dit_record = train_dit(cfg, s.dit, data, dit_store, dit_budget, log, s.seed)
+        if not dit_store.done:
+            dit_store.mark_done({"step": dit_record.get("planned_steps")})
+        summary["stages"]["dit"] = _stage_summary(dit_record, clock.elapsed - t)
+        del data
+
+        # weights
+        t = clock.elapsed
+        weights_dir = pack(cfg, out, dit_params, vae_params, stats, summary)
+        summary["stages"]["pack"] = {"seconds": round(clock.elapsed - t, 1)}
+        log(f"weights: {weights_dir} ({_size_mb(weights_dir):.1f} MB), {out / 'weights.tar'}")
+
+        # evaluation
+        t = clock.elapsed
+        queue.wait_for("heldout", s.data.heldout_clips, done=True)
+        heldout = load_plans(out / "plans", "heldout", limit=s.eval.clips)
+        session = None
+        if "session" in queue.makers:
+            queue.wait_for("session", 1, done=True)
+            session = load_plans(out / "plans" / "session", "heldout")
+        result = evaluate(cfg, open_weights(weights_dir, cfg), heldout, s.eval, session=session, log=log)
+        (out / "eval").mkdir(exist_ok=True)
+        write_json(out / "eval" / "eval.json", result)
+        (out / "eval" / "eval.md").write_text(markdown(result))
+        summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "drift") if k in result}
+        summary["stages"]["eval"] = {"seconds": round(clock.elapsed - t, 1)}
+        log("eval:\n" + markdown(result))
+    finally:
+        queue.stop()
+    summary["seconds"] = round(clock.elapsed, 1)
+    write_json(out / "summary.json", summary)
+    log(f"train all: done in {clock.elapsed:.0f} s")
+    return summary
+
+
+def pack(cfg: Config, out: pathlib.Path, dit_params, vae_params, stats: LatentStats, summary: dict) -> pathlib.Path:
+    """Writes out/weights (replacing it) and out/weights.tar."""
+    weights_dir = out / "weights"
+    if weights_dir.exists():
+        shutil.rmtree(weights_dir)
+    training = {k: v for k, v in summary["stages"].items()}
+    save_weights(weights_dir, cfg, pure(dit_params), pure(vae_params), stats, training)
+    with tarfile.open(out / "weights.tar", "w") as tar:
+        tar.add(weights_dir, arcname=cfg.name)
+    return weights_dir
+
+
+def _stage_summary(record: dict, seconds: float) -> dict:
+    hist = record.get("history", [])
+    return {"seconds_this_run": round(seconds, 1), "seconds_total": round(record.get("seconds", 0.0), 1),
+            "steps": hist[-1][0] if hist else None, "planned_steps": record.get("planned_steps"),
+            "examples_per_s": round(record.get("examples_per_s") or 0.0, 1),
+            "history_columns": record.get("history_columns"), "history": hist}
+
+
+def _size_mb(path: pathlib.Path) -> float:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6
