@@ -7,7 +7,7 @@ import pytest
 
 from characters_jax.audio.speech import SpeechQueueFull, SpeechTimeline
 from characters_jax.audio.timeline import Timeline
-from characters_jax.serving.conversation import RUN, Conversation, End, Limits, Note, StepPlan
+from characters_jax.serving.conversation import RUN, Chunk, Conversation, End, Limits, Note, StepPlan
 
 TL = Timeline(16000, 24, 4)
 STEP = TL.max_step_samples  # 2667
@@ -95,7 +95,7 @@ class Fixture:
         self.out = []
         self.conv = Conversation(TL, lambda read, s: read(*TL.step_span(s)), lead=lead, playout_reports=reports, begin_with_speech=begin_with_speech,
                                  limits=Limits(max_duration, idle), max_queued_samples=10**6, history_samples=3 * STEP,
-                                 emit=self.out.append, now=lambda: self.t)
+                                 emit=lambda item: self.out.append(item.message if isinstance(item, Chunk) else item), now=lambda: self.t)
 
     def decide(self, s):
         with self.conv.cond:
@@ -110,7 +110,11 @@ class Fixture:
         return self.conv.next_step(s)
 
     def send(self, s):
-        return self.conv.emit_chunk(s, 4, lambda plan, first: ("chunk", s, first))
+        """Emits step s's chunk and has the stream deliver it at once."""
+        if not self.conv.emit_chunk(s, 4, lambda plan, first: ("chunk", s, first)):
+            return False
+        self.conv.delivered(4, self.conv.epoch)
+        return True
 
     def notes(self, kind=None):
         return [x for x in self.out if isinstance(x, Note) and (kind is None or x.kind == kind)]
@@ -200,6 +204,22 @@ def test_speech_events_come_beside_their_chunks_and_playback_finishes_by_the_rep
     assert not f.notes("PLAYBACK_FINISHED")
     f.conv.report_playout(TL.frames_for(end), 0)
     assert f.notes("PLAYBACK_FINISHED") == [Note("PLAYBACK_FINISHED", 1, end, STEP + 100)]
+
+
+def test_a_client_that_stops_reading_holds_the_clock():
+    """Without reports the wall clock paces, but only over frames the stream delivered."""
+    f = Fixture(lead=2, reports=False)
+    f.run(0)
+    f.send(0)
+    f.run(1)
+    f.conv.emit_chunk(1, 4, lambda plan, first: ("chunk", 1, first))  # on the stream, not taken by gRPC
+    f.t = 10.0
+    assert f.conv.clock.played(f.t) == 4  # the client can have played only what it got
+    f.run(2)  # one step ahead of that
+    assert f.waits(3)  # two: held, however late it is
+    f.conv.delivered(4, f.conv.epoch)  # gRPC takes chunk 1: playback goes on from now
+    f.t = 10.0 + 1.01 / 24
+    assert f.decide(3) == RUN
 
 
 def test_interrupt_drops_unsent_steps_and_reports_the_position():

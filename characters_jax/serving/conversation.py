@@ -13,8 +13,10 @@ the timeline) or when the session has to end:
 Waiting is on the condition variable with timeouts computed from the clocks and the
 limits, never a fixed sleep after a step. Every state change notifies it.
 
-Speech events (`Note`) go out through `emit(item)`, always called under the lock, so their
-order with the chunks (`emit_chunk`) is the order of the stream.
+Speech events (`Note`) and chunks (`Chunk`) go out through `emit(item)`, always called
+under the lock, so their order is the order of the stream. A chunk counts as sent when the
+stream has handed it to gRPC (`delivered`), which waits for flow control: a client that
+stops reading holds the clock, and with it the step loop.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ class Note:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A chunk on its way out: the message `emit_chunk`'s build made, its frame count, and
+    the interrupt epoch it belongs to (a chunk of an earlier epoch is one the client drops)."""
+
+    message: object
+    frames: int
+    epoch: int
+
+
+@dataclasses.dataclass(frozen=True)
 class End:
     """Why the step loop stops: reason is an EndReason name, or "CANCELLED" (someone else
     ends the session)."""
@@ -88,7 +100,7 @@ class PlaybackClock:
 
     def __init__(self, fps: int, reports: bool):
         self.fps, self.reports = fps, reports
-        self.sent = 0  # playback frames sent
+        self.sent = 0  # playback frames handed to the transport
         self.reported = 0
         self.underruns = 0
         self.skipped = 0  # timeline frames dropped by interrupts
@@ -165,6 +177,8 @@ class Conversation:
         self.audio_ended = False
         self.speech_seen = False
         self.skipped_samples = 0
+        self.epoch = 0  # interrupts so far
+        self._emitted_end = 0  # playback frame after the last chunk put on the stream
         self.step_cost_s = 0.0  # recent diffusion + decode per chunk (EMA)
         self._segments: dict[int, Segment] = {}  # segments without PLAYBACK_FINISHED
         self._emitted: dict[int, set[str]] = {}  # segment -> kinds emitted
@@ -242,6 +256,8 @@ class Conversation:
             self.clock.skipped += skip
             self.skipped_samples += self.tl.frame_start(at + skip) - position
             self.clock.truncate(played, now)
+            self._emitted_end = played
+            self.epoch += 1
             for note in [ack] + notes:
                 self._note(note)
             self.idle_since = now
@@ -321,8 +337,8 @@ class Conversation:
 
     # -- chunks going out (decoder link thread) ------------------------------------------
     def emit_chunk(self, step: int, frames: int, build: Callable[[StepPlan, int], object]) -> bool:
-        """Sends step's chunk, `build(plan, first playback frame)`, between its notes.
-        Returns False when an interrupt dropped the step."""
+        """Puts step's chunk, `build(plan, first playback frame)`, on the stream between its
+        notes. Returns False when an interrupt dropped the step."""
         with self.cond:
             plan = self.plans.pop(step, None)
             if plan is None:
@@ -330,12 +346,18 @@ class Conversation:
             first = step * self.tl.frames_per_step - self.clock.skipped
             for note in plan.before:
                 self._note(note)
-            self._emit(build(plan, first))
+            self._emit(Chunk(build(plan, first), frames, self.epoch))
+            self._emitted_end = first + frames
             for note in plan.after:
                 self._note(note)
-            self.clock.on_sent(frames, self.now())
-            self.cond.notify_all()
             return True
+
+    def delivered(self, frames: int, epoch: int) -> None:
+        """The stream handed a chunk of `epoch` to gRPC: the client can have it now."""
+        with self.cond:
+            if epoch == self.epoch:
+                self.clock.on_sent(frames, self.now())
+                self.cond.notify_all()
 
     def note_step_cost(self, seconds: float) -> None:
         with self.cond:
@@ -343,16 +365,16 @@ class Conversation:
 
     def wait_played_out(self, timeout: float) -> bool:
         """Waits (at most `timeout`, and not past max_duration) until the client has played
-        every frame sent. Returns whether it has."""
+        every frame put on the stream. Returns whether it has."""
         with self.cond:
             limit = min(self.now() + timeout, self.deadline)
             while True:
                 now = self.now()
                 self._check_playback(now)
-                done = self.clock.played(now) >= self.clock.sent
+                done = self.clock.played(now) >= self._emitted_end
                 if done or self.ended is not None or now >= limit:
                     return done
-                self.cond.wait(_soonest([limit - now, self.clock.time_until(self.clock.sent + self.clock.skipped, now)]))
+                self.cond.wait(_soonest([limit - now, self.clock.time_until(self._emitted_end + self.clock.skipped, now)]))
 
     def close_segments(self) -> None:
         """At the session's end: every segment without PLAYBACK_FINISHED gets it (interrupted

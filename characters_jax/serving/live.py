@@ -8,8 +8,9 @@ Threads (all ended by `finish`):
   link     - (DecoderLink) copies latent n to the host while step n + 1 runs, streams it to
              the decoder process and turns each decoded chunk into a VideoChunk, sent
              through Conversation.emit_chunk (which drops the steps an interrupt cut).
-The Converse handler yields what lands on `out`: ("msg", ConverseResponse) items, then one
-("end", state, code, message, reason).
+The Converse handler yields what lands on `out`: ("msg", ConverseResponse) and ("chunk",
+ConverseResponse, frames, epoch) items (it reports each chunk to Conversation.delivered once
+gRPC has taken it), then one ("end", state, code, message, reason).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import grpc
 from characters_jax.audio.pcm import AudioFormatError, pcm_to_int16
 from characters_jax.audio.speech import SpeechQueueFull
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.conversation import AudioAfterEnd, Conversation, End, Note
+from characters_jax.serving.conversation import AudioAfterEnd, Chunk, Conversation, End, Note
 from characters_jax.serving.decoder_link import DecoderLink
 
 log = logging.getLogger("characters_jax.serving.live")
@@ -104,7 +105,10 @@ class LiveSession:
         return self._finished
 
     def _emit(self, item) -> None:
-        self.out.put(("msg", speech_event(item) if isinstance(item, Note) else item))
+        if isinstance(item, Chunk):
+            self.out.put(("chunk", item.message, item.frames, item.epoch))
+        else:
+            self.out.put(("msg", speech_event(item)))
 
     # -- reader ----------------------------------------------------------------------------
     def _read(self, request_iterator, context) -> None:

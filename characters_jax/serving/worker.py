@@ -244,6 +244,10 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             if item[0] == "msg":
                 yield item[1]
                 continue
+            if item[0] == "chunk":
+                yield item[1]
+                live.conv.delivered(item[2], item[3])
+                continue
             _, state, code, message, reason = item
             yield pb.ConverseResponse(session_event=pb.SessionEvent(state=pb.SessionState.Value(state), message=message, steps=rec.steps,
                                                                     end_reason=pb.EndReason.Value(reason), frames=rec.frames))
