@@ -2,7 +2,6 @@
 limits, message sizes, health."""
 
 import io
-import threading
 import time
 
 import grpc

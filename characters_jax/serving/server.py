@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent import futures
 
-from characters_jax.serving.health import SERVICE_NAME  # noqa: F401  (the name balancers check)
+from characters_jax.serving.health import SERVICE_NAME  # noqa: F401  (the name balancers check; imported from here by tools)
 from characters_jax.serving.placement import host_device_flags
 
 log = logging.getLogger("characters_jax.serving.server")
