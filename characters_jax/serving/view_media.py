@@ -7,7 +7,9 @@ voice played out on one clock as WebRTC tracks.
 - `Playout`: a jitter buffer of the worker's chunks and the clock both tracks read. Frame k
   plays at media time k / fps and audio sample p at p / rate; media time m is due at wall
   time t0 + shift + m. Playback starts once `prebuffer_frames` frames are in; a frame (or
-  audio) not there when due is an underrun: the clock stalls until it arrives (shift grows).
+  audio) not there when due is an underrun: the clock stalls (shift grows) until the buffer
+  holds `prebuffer_frames` again, so one late chunk costs one stall, not a shallow buffer
+  that runs dry at every chunk after it. A flush (interrupt) rebuffers the same way.
   A buffer that has held more than `prebuffer_frames + catchup_frames` for `catchup_after_s`
   (chunks that came in a burst after a late start or a stall) drops its oldest
   `catchup_frames` frames and their audio, so latency returns to the target (shift shrinks).
@@ -106,7 +108,7 @@ class Playout:
         self._audio_skips: list[tuple[int, int]] = []  # (first sample, samples) dropped by catch-ups, for the audio track
         self.underruns = 0
         self.catchups = 0
-        self._flushed = False  # the buffer was flushed: the next wait is not an underrun
+        self._stall_counted = True  # whether the stall on now is an underrun (not a flush's rebuffering)
         self.frames_played = 0
         self.ended = False
         self.started = asyncio.Event()
@@ -126,20 +128,28 @@ class Playout:
             audio = np.asarray(audio, np.int16)
             audio = np.concatenate([np.zeros(gap, np.int16), audio]) if gap > 0 else audio[-gap:]
             self._audio = np.concatenate([self._audio, audio])
-            self._flushed = False
             now = self.clock()
-            if self._stall_start is not None:
-                self.stalled_s += now - self._stall_start
-                self.shift_s += now - self._stall_start
-                self._stall_start = None
+            if self._stall_start is not None and self.buffered_frames >= self.prebuffer:
+                self._end_stall(now)
             if self.t0 is None and self._frames_in >= self.prebuffer:
                 self._start(now)
             self._cond.notify_all()
             return first
 
+    def _begin_stall(self, now: float, counted: bool) -> None:
+        if self._stall_start is None:
+            self._stall_start, self._stall_counted = now, counted
+            self.underruns += int(counted)
+
+    def _end_stall(self, now: float) -> None:
+        if self._stall_counted:
+            self.stalled_s += now - self._stall_start
+        self.shift_s += now - self._stall_start
+        self._stall_start = None
+
     async def flush(self) -> None:
-        """Drops every frame not yet played and its audio (after an interrupt); the next
-        chunk plays at once, and waiting for it is not an underrun."""
+        """Drops every frame not yet played and its audio (after an interrupt); playback
+        resumes once the buffer is refilled, and that wait is not an underrun."""
         async with self._cond:
             for k in range(self._next_frame, self._frames_in):
                 self._frames.pop(k, None)
@@ -147,17 +157,18 @@ class Playout:
             keep = max(self._next_frame * self.audio_rate // self.fps, self._next_audio) - self._audio_base
             self._audio = self._audio[: max(keep, 0)]
             self._over_since = None
-            self._flushed = True
-            if self.t0 is None and self._frames_in:
-                self._start(self.clock())
+            if self.t0 is not None:
+                self._begin_stall(self.clock(), counted=False)
 
     async def end(self) -> None:
         """No more chunks will come: what is buffered plays out, then the tracks end."""
         async with self._cond:
             self.ended = True
+            now = self.clock()
             if self.t0 is None and self._frames_in:
-                self._start(self.clock())
-            self._stall_start = None
+                self._start(now)
+            if self._stall_start is not None:
+                self._end_stall(now)
             self._cond.notify_all()
 
     def _start(self, now: float) -> None:
@@ -186,15 +197,16 @@ class Playout:
             await asyncio.sleep(wait)
 
     async def _wait_for(self, available) -> None:
-        """Waits until available() (under the lock); an underrun if it is not already true."""
+        """Waits until available() and no stall is on (under the lock); data missing at its
+        due time starts a stall (an underrun)."""
         async with self._cond:
-            while not available():
+            while self._stall_start is not None or not available():
                 if self.ended:
+                    if available():
+                        return
                     raise PlayoutEnded
-                if self._stall_start is None:
-                    self._stall_start = self.clock()
-                    self.underruns += 0 if self._flushed else 1
-                    self._flushed = False
+                if not available():
+                    self._begin_stall(self.clock(), counted=True)
                 await self._cond.wait()
 
     # -- consumers ---------------------------------------------------------------------------
