@@ -19,7 +19,8 @@ from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSes
 
 from characters_jax.serving import assets  # noqa: E402
 from characters_jax.serving.fakes import FakeWorker  # noqa: E402
-from characters_jax.serving.view import BridgeOptions, Gateway, RemoteWorker, gather_on, serve_gateway  # noqa: E402
+from characters_jax.serving.view import BridgeOptions, Gateway, RemoteWorker, serve_gateway  # noqa: E402
+from characters_jax.serving.view_ice import gather_on  # noqa: E402
 from characters_jax.serving.worker import WorkerOptions  # noqa: E402
 from test_view_browser import worker_serving  # noqa: E402
 

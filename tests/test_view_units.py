@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiortc (see pyproject's view extra)")
 
 from characters_jax.audio.timeline import Timeline  # noqa: E402
-from characters_jax.serving.view import OfferError, frame_peaks, gather_on, loopback_offer  # noqa: E402
+from characters_jax.serving.view_bridge import frame_peaks  # noqa: E402
+from characters_jax.serving.view_ice import OfferError, gather_on, loopback_offer  # noqa: E402
 from characters_jax.serving.view_media import MicResampler, Playout, PlayoutEnded, Upsampler  # noqa: E402
 
 SEED = 20261204
@@ -133,7 +134,7 @@ def test_playout_catches_up_a_buffer_left_over_its_target():
         p = Playout(fps, rate, prebuffer_frames=4, catchup_frames=4, catchup_after_s=0.05)
         await p.push(_frames(0, 20), _audio_for(0, 20, per))  # a burst: 20 frames at once
         await p.end()
-        frames, audio = [], []
+        frames = []
         try:
             while True:
                 frames.append((await p.next_frame())[0])
