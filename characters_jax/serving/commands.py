@@ -124,7 +124,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=_demo)
 
     p = subparsers.add_parser("view", help="the character live in a web page (WebRTC, loopback only)")
-    p.add_argument("--server", default=None, help="a running worker (host:port); default: start one for --config")
+    p.add_argument("--server", default=None, help="a running worker, or workers behind gRPC balancing (host:port, h1:p1,h2:p2, "
+                                                  "dns:///name:port); default: start one for --config")
     p.add_argument("--config", default="small", help="config of the worker started when --server is not given")
     p.add_argument("--checkpoint", default=None, help="weights of the started worker (random weights if absent)")
     p.add_argument("--port", type=int, default=8080, help="the page's port on 127.0.0.1 (0: any free port)")

@@ -195,8 +195,13 @@ def _write_state(path: str | None, data: dict) -> None:
 async def _run_view(args) -> int:
     from characters_jax.serving import assets
 
-    image = pathlib.Path(args.image or assets.PORTRAIT).read_bytes()
-    options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks)
+    try:
+        image = pathlib.Path(args.image or assets.PORTRAIT).read_bytes()
+        load_reference_image(image, 64, 64)
+        options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks)
+    except (OSError, ImageError, ValueError) as err:
+        print(f"characters-jax view: {err}", file=sys.stderr)
+        return 2
     local = None
     if args.server:
         worker = RemoteWorker(args.server)
