@@ -12,7 +12,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
 # On the 2-core CI machine two take the suite from ~11 to ~8 minutes.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv protos test demo demo-assets bench-tiny clean
+.PHONY: venv protos browser test demo demo-assets bench-tiny clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 2; fi
@@ -26,7 +26,12 @@ venv: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m characters_jax.protos_build
 
-test: protos
+# The viewer's browser test drives Debian's chromium: installed here when missing (root and
+# apt-get), else that test skips with the reason.
+browser:
+	@bash tools/install_browser.sh >/dev/null
+
+test: protos browser
 	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 
 # The whole service on localhost (decoder process, generator worker, client): writes
