@@ -73,4 +73,4 @@ def apply_gradients(state: TrainState, grads, lr: jax.Array, tx: optax.GradientT
     n = state.step.astype(jnp.float32)
     decay = jnp.minimum(ema_decay, (1.0 + n) / (10.0 + n))
     ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, state.ema, params)
-    return TrainState(params=params, opt_state=opt_state, ema=ema, step=state.step + 1), optax.global_norm(grads)
+    return TrainState(params=params, opt_state=opt_state, ema=ema, step=state.step + 1), optax.tree.norm(grads)
