@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
     "characters_jax.numerics",  # numerics
     "characters_jax.data.commands",  # data, lipsync
+    "characters_jax.train.commands",  # train
 )
 
 
