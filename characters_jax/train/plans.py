@@ -41,11 +41,29 @@ class PlanSet:
         return PlanSet(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
 
 
-def _plan(args):
-    split, index, spec, seed = args
-    from characters_jax.data.clips import plan_clip
+class _Worker:
+    """A planning process's espeak-ng voice (forked synthesis: the worker runs no threads),
+    made once by the pool's initializer and made again after a failed synthesis."""
 
-    p = plan_clip(split, index, spec, seed)
+    voice = None
+
+    @classmethod
+    def start(cls) -> None:
+        from characters_jax.data.speech import EspeakVoice
+
+        cls.voice = EspeakVoice(mode="fork")
+
+
+def _plan(args):
+    from characters_jax.data.clips import plan_clip
+    from characters_jax.data.speech import EspeakError
+
+    split, index, spec, seed = args
+    try:
+        p = plan_clip(split, index, spec, seed, _Worker.voice)
+    except EspeakError:  # once more from a fresh library
+        _Worker.start()
+        p = plan_clip(split, index, spec, seed, _Worker.voice)
     return p.audio, p.track, p.params, p.identity, index
 
 
@@ -92,7 +110,7 @@ class PlanMaker:
             if not missing:
                 return
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(min(self.workers, len(missing) * self.shard_size)) as pool:
+            with ctx.Pool(min(self.workers, len(missing) * self.shard_size), initializer=_Worker.start) as pool:
                 for s in missing:
                     if self._stop.is_set():
                         return
