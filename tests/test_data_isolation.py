@@ -16,7 +16,7 @@ for pkg in PACKAGES:
         loaded.append(info.name)
 EXTRA
 maps = open("/proc/self/maps").read() if sys.platform.startswith("linux") else ""
-print(json.dumps({"loaded": loaded, "espeak_modules": sorted(m for m in sys.modules if "espeak" in m),
+print(json.dumps({"loaded": loaded, "jax_loaded": "jax" in sys.modules, "espeak_modules": sorted(m for m in sys.modules if "espeak" in m),
                   "speech_modules": sorted(m for m in sys.modules if m.startswith("characters_jax.data.")),
                   "libespeak_mapped": "libespeak" in maps}))
 """
@@ -50,3 +50,10 @@ describe(frames[:2], load_probe("identity"))
     r = _run(["characters_jax.lipsync.probe"], extra)
     assert r["espeak_modules"] == [] and not r["libespeak_mapped"]
     assert "characters_jax.data.speech" not in r["speech_modules"]
+
+
+def test_data_workers_do_not_load_jax():
+    """The planning side of the data (what the writer's worker processes import) needs no jax, so
+    the workers never touch an accelerator and may fork espeak-ng children."""
+    r = _run(["characters_jax.data.shards", "characters_jax.data.clips", "characters_jax.data.speech"])
+    assert not r["jax_loaded"]

@@ -26,7 +26,7 @@ def _data(args) -> int:
             return 2
         manifest = write_shards(args.out, args.split, args.clips, spec, seed=args.seed, workers=args.workers,
                                 shard_size=args.shard_size, first_index=args.first_index,
-                                progress=not args.quiet)
+                                render_batch=args.render_batch, progress=not args.quiet)
     except (EspeakError, ValueError, OSError) as err:
         print(f"characters-jax data: {err}", file=sys.stderr)
         return 1
@@ -49,6 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--first-index", type=int, default=0, help="index of the first clip in its split")
     p.add_argument("--workers", type=int, default=None, help="planning processes (default: cores - 1, at most 16)")
     p.add_argument("--shard-size", type=int, default=64, help="clips per shard")
+    p.add_argument("--render-batch", type=int, default=8, help="clips rendered per call of the jax renderer")
     p.add_argument("--demo-out", default=None,
                    help="instead of shards: write clip --first-index's portrait (PNG) and speech (WAV) here")
     p.add_argument("--quiet", action="store_true", help="no progress line")

@@ -2,20 +2,22 @@
 
 `render_frames(identity, params, height, width)` draws one identity (float32
 [IDENTITY_SIZE], see `identity`) for T frames of parameters (float32 [T, FRAME_PARAMS], see
-`motion`) into uint8 [T, H, W, 3]; `render_batch` does [B] identities at once; `draw_frame` is the traceable single frame. Every shape is
-an (approximate) signed distance field; a pixel's coverage is a smoothstep of its distance
-over one pixel, so edges are anti-aliased at any size. Frames are vmapped and jitted per
-(H, W): GPU speed on the training machine, and fast enough on a CPU.
+`motion`) into uint8 [T, H, W, 3]; `render_batch` does [B] identities at once; `draw_frame`
+is the traceable single frame (float32). Every shape is an (approximate) signed distance
+field; a pixel's coverage is a smoothstep of its distance over one pixel, so edges are
+anti-aliased at any size. Frames are vmapped and jitted per (H, W): GPU speed on the
+training machine, and fast enough on a CPU.
 
-Geometry is in units of u = 1.1 min(H, 1.3 W) pixels: the face is centred horizontally, at half the
-height, and keeps its proportions at any size and aspect (a wider frame shows more
-background). Layers, back to front: background gradient, hair behind the head, clothes,
-neck, ears, face (the chin drops as the jaw opens), blush, brows, eyes (blinks close them),
-fringe, nose, mouth (lips, cavity, teeth, tongue).
+Geometry is in units of FACE_SCALE * min(H, 1.3 W) pixels: the face is centred
+horizontally, at half the height, and keeps its proportions at any size and aspect (a wider
+frame shows more background). Layers, back to front: background gradient, hair behind the
+head, clothes, neck, ears, face (the chin drops as the jaw opens), blush, brows, fringe,
+eyes (blinks close them), nose, mouth (lips, cavity, teeth, tongue).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,15 +29,14 @@ from characters_jax.data.motion import BLINK, DX, DY, FRAME_PARAMS, JAW, TILT, W
 
 FACE_CENTRE_Y = 0.5  # fraction of the height
 NECK_PIVOT = 0.30  # head roll pivot below the face centre (units)
-_CAVITY = jnp.asarray([0.22, 0.05, 0.07])
-_TEETH = jnp.asarray([0.95, 0.94, 0.90])
-_TONGUE = jnp.asarray([0.82, 0.38, 0.42])
-_EYE_WHITE = jnp.asarray([0.97, 0.97, 0.95])
-_LID = jnp.asarray([0.12, 0.08, 0.08])
-_BLUSH = jnp.asarray([0.95, 0.42, 0.45])
+_CAVITY = np.float32([0.22, 0.05, 0.07])
+_TEETH = np.float32([0.95, 0.94, 0.90])
+_TONGUE = np.float32([0.82, 0.38, 0.42])
+_EYE_WHITE = np.float32([0.97, 0.97, 0.95])
+_LID = np.float32([0.12, 0.08, 0.08])
+_BLUSH = np.float32([0.95, 0.42, 0.45])
 
-
-FACE_SCALE = 1.1  # geometry units per frame height (when the frame is not too narrow)
+FACE_SCALE = 1.1  # a geometry unit is FACE_SCALE frame heights (when the frame is not too narrow)
 
 
 def layout_unit(height: int, width: int) -> float:
@@ -178,11 +179,9 @@ def _features(img, hx, hy, c, s, jaw, mouth_w, blink, px):
     img = over(img, c["skin"] * 0.78, _ellipse(hx, hy - 0.07, 0.02, 0.011), 0.8)
 
     # mouth: the upper lip stays, the lower lip and the chin follow the jaw
-    mw = 0.068 * s["mouth_width"] * (0.72 + 0.5 * mouth_w)
-    opening = 0.075 * jaw * (1.1 - 0.25 * mouth_w)
-    my = 0.15 * s["face_height"] + 0.5 * opening
-    lip = 0.013 + 0.006 * (1.0 - mouth_w)
-    img = over(img, c["lips"], _ellipse(hx, hy - my, mw + 0.01, 0.5 * opening + lip))
+    m = mouth_layout(s["face_height"], s["mouth_width"], jaw, mouth_w)
+    mw, opening, my = m.half_width, m.opening, m.centre_y
+    img = over(img, c["lips"], _ellipse(hx, hy - my, m.lips_half_width, m.lips_half_height))
     cavity = _ellipse(hx, hy - my, mw * 0.9, 0.5 * opening + 0.0008)
     img = over(img, _CAVITY, cavity)
     img = over(img, _TEETH, jnp.maximum(cavity, hy - my + 0.5 * opening * 0.45))
@@ -190,6 +189,29 @@ def _features(img, hx, hy, c, s, jaw, mouth_w, blink, px):
                                                           0.5 * opening * 0.5 + 0.0008)))
     seam = jnp.maximum(jnp.abs(hy - my) - 0.0025, jnp.abs(hx) - mw)
     return over(img, c["lips"] * 0.55, seam, jnp.clip(1.0 - 6.0 * jaw, 0.0, 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class MouthLayout:
+    """The mouth in head-frame geometry units (arrays broadcast like the inputs): centre_y below
+    the face centre, the opening's half_width and full height (opening), the outer lips' half
+    sizes."""
+
+    centre_y: object
+    half_width: object
+    opening: object
+    lips_half_width: object
+    lips_half_height: object
+
+
+def mouth_layout(face_height, mouth_width, jaw, lip_width) -> MouthLayout:
+    """Where the renderer draws the mouth of an identity (face_height, mouth_width shapes) at a
+    mouth state (jaw, lip_width): the upper lip stays, the opening grows downwards."""
+    half_width = 0.068 * mouth_width * (0.72 + 0.5 * lip_width)
+    opening = 0.075 * jaw * (1.1 - 0.25 * lip_width)
+    lip = 0.013 + 0.006 * (1.0 - lip_width)
+    return MouthLayout(centre_y=0.15 * face_height + 0.5 * opening, half_width=half_width, opening=opening,
+                       lips_half_width=half_width + 0.01, lips_half_height=0.5 * opening + lip)
 
 
 def _to_uint8(img):

@@ -157,7 +157,8 @@ def _to_speech(pcm: bytes, events: list[tuple[int, str, int]], native_rate: int)
     audio = np.clip(np.rint(y), -32768, 32767).astype(np.int16)
     # A phoneme lasts until the next phoneme event (pauses included) or the end of the text;
     # "(en)"-style events mark a switch of language, not a sound.
-    marks = [(name, sample) for kind, name, sample in events if kind == espeak.EVENT_PHONEME and not name.startswith("(")]
+    marks = [(name, sample) for kind, name, sample in events
+             if kind == espeak.EVENT_PHONEME and not name.startswith("(")]
     ends = [sample for kind, _, sample in events if kind in (espeak.EVENT_END, espeak.EVENT_MSG_TERMINATED)]
     last = max(ends + [len(x)]) if marks else 0
     phonemes = []

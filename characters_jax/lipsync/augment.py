@@ -21,7 +21,8 @@ class Augment:
 
     shift: float = 0.04  # crop shift, fraction of the box
     zoom: float = 0.06  # crop size change, +-
-    resample_p: float = 0.5  # down-and-up by 2 or 3
+    resample_p: float = 0.5  # down-and-up by one of resample_factors
+    resample_factors: tuple[int, int] = (2, 3)
     blur_p: float = 0.5
     brightness: float = 0.12
     contrast: float = 0.25
@@ -34,6 +35,9 @@ class Augment:
 
 MOUTH_AUGMENT = Augment()
 IDENTITY_AUGMENT = Augment(brightness=0.02, contrast=0.04, channel_gain=0.02, saturation=0.05)
+# whole frames as a decoder might return them: softer, compressed, noisy, colours kept
+FRAME_DEGRADE = Augment(resample_factors=(2, 2), brightness=0.03, contrast=0.05, channel_gain=0.03,
+                        saturation=0.08, jpeg_quality=(30, 85), noise=0.03)
 
 _JPEG_LUMA = np.asarray([
     16, 11, 10, 16, 24, 40, 51, 61, 12, 12, 14, 19, 26, 58, 60, 55, 14, 13, 16, 24, 40, 57, 69, 56,
@@ -116,8 +120,9 @@ def degrade(key, images, aug: Augment):
     def one(k, img):
         ks = jax.random.split(k, 13)
         u = lambda i, lo=0.0, hi=1.0, shape=(): jax.random.uniform(ks[i], shape, minval=lo, maxval=hi)  # noqa: E731
-        # resampling by 2 or 3
-        res = jnp.where(u(0) < 0.5, _resampled(img, 2), _resampled(img, 3))
+        # resampling down and up
+        f1, f2 = aug.resample_factors
+        res = _resampled(img, f1) if f1 == f2 else jnp.where(u(0) < 0.5, _resampled(img, f1), _resampled(img, f2))
         img = jnp.where(u(1) < aug.resample_p, res, img)
         # blur, once or twice, partly
         b1 = _blur(img)

@@ -8,11 +8,17 @@ import shlex
 import sys
 
 
+# kind: (steps, conv widths) of the shipped weights
+DEFAULTS = {"mouth": (6000, "24,32,48,64"), "identity": (3000, "16,24,32,48")}
+
+
 def _train_probe(args) -> int:
     from characters_jax.lipsync.probe import default_path
     from characters_jax.lipsync.train import TrainSpec, train_probe
 
-    spec = TrainSpec(kind=args.kind, steps=args.steps, batch=args.batch, pool=args.pool, seed=args.seed, lr=args.lr)
+    steps, widths = DEFAULTS[args.kind]
+    spec = TrainSpec(kind=args.kind, steps=args.steps or steps, batch=args.batch, pool=args.pool, seed=args.seed,
+                     lr=args.lr, widths=tuple(int(w) for w in (args.widths or widths).split(",")))
     probe, meta = train_probe(spec)
     out = args.out or default_path(args.kind)
     command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -54,10 +60,12 @@ def register(subparsers) -> None:
 
     t = sub.add_parser("train-probe", help="train the mouth or identity probe on rendered faces (no espeak)")
     t.add_argument("--kind", choices=("mouth", "identity"), default="mouth")
-    t.add_argument("--steps", type=int, default=3000)
+    t.add_argument("--steps", type=int, default=None, help="default: 6000 (mouth), 3000 (identity)")
     t.add_argument("--batch", type=int, default=64)
     t.add_argument("--pool", type=int, default=8192, help="rendered frames the batches are drawn from")
     t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--widths", default=None,
+                   help="conv channels, comma-separated (default: 24,32,48,64 mouth, 16,24,32,48 identity)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None, help="weights file (default: the shipped characters_jax/lipsync/weights/)")
     t.set_defaults(func=_train_probe)
