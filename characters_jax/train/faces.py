@@ -5,6 +5,7 @@ The VAE needs the renderer's whole range of faces and mouth states, not the spee
 mouth tracks come from random phoneme strings (symbols of every place of articulation and
 vowel height, random durations, pauses) passed through `visemes.mouth_track`, so they move
 as spoken ones do without espeak-ng. Identities are from the training region only.
+A `FacePool` is made once on the host; batches are drawn from it on the device.
 """
 
 from __future__ import annotations
@@ -53,27 +54,35 @@ def still_params(params: np.ndarray, frames: int) -> np.ndarray:
     return p
 
 
-@dataclasses.dataclass(frozen=True)
-class FaceSampler:
-    """Batches of (identities [B, IDENTITY_SIZE], params [B, frames, FRAME_PARAMS]) float32:
-    windows of `frames` frames at a random place in `span` frames of motion (so the head has
-    drifted), a `still_fraction` of them the still portrait chunk."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FacePool:
+    """Faces to draw training batches from on the device: identities [I, IDENTITY_SIZE] and
+    motion [M, span, FRAME_PARAMS] (mouth track, blinks, head motion), made once on the host."""
 
-    frames: int
-    span: int = 240
-    still_fraction: float = 0.1
+    identities: jax.Array
+    motion: jax.Array
 
-    def batch(self, rng: np.random.Generator, size: int) -> tuple[np.ndarray, np.ndarray]:
-        idents, params = [], []
-        for _ in range(size):
-            idents.append(sample_identity(rng).to_vector())
-            p = face_params(rng, self.span)
-            if rng.random() < self.still_fraction:
-                params.append(still_params(p, self.frames))
-            else:
-                start = int(rng.integers(0, self.span - self.frames + 1))
-                params.append(p[start:start + self.frames])
-        return np.stack(idents).astype(np.float32), np.stack(params).astype(np.float32)
+    @classmethod
+    def make(cls, rng: np.random.Generator, identities: int, motions: int, span: int, fps: int = 24) -> "FacePool":
+        ident = np.stack([sample_identity(rng).to_vector() for _ in range(identities)]).astype(np.float32)
+        mot = np.stack([face_params(rng, span, fps) for _ in range(motions)]).astype(np.float32)
+        return cls(jnp.asarray(ident), jnp.asarray(mot))
+
+    def sample(self, key, batch: int, frames: int, still_fraction: float = 0.1):
+        """(identities [B, IDENTITY_SIZE], params [B, frames, FRAME_PARAMS]): a random
+        identity with a random window of a random motion; a still_fraction of them the still
+        portrait chunk (`still_params`)."""
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        span = self.motion.shape[1]
+        ident = self.identities[jax.random.randint(k1, (batch,), 0, self.identities.shape[0])]
+        m = jax.random.randint(k2, (batch,), 0, self.motion.shape[0])
+        start = jax.random.randint(k3, (batch,), 0, span - frames + 1)
+        params = jax.vmap(lambda i, s: jax.lax.dynamic_slice_in_dim(self.motion[i], s, frames, 0))(m, start)
+        still = jnp.repeat(params[:, :1], frames, axis=1)
+        still = still.at[..., JAW].set(0.0).at[..., WIDTH].set(0.5).at[..., BLINK].set(0.0)
+        is_still = jax.random.uniform(k4, (batch, 1, 1)) < still_fraction
+        return ident, jnp.where(is_still, still, params)
 
 
 @functools.partial(jax.jit, static_argnames=("height", "width"))

@@ -1,11 +1,11 @@
 """Where the renderer draws the mouth: a per-frame pixel box from the face's parameters.
 
 The cartoon renderer (`characters_jax.data.face`) places the mouth on the head's centre
-line, 0.15 face-heights below the head centre plus half the jaw opening, then moves the
-head by its offset (dx, dy) and rolls it about the neck pivot. `mouth_mask` inverts that
-transform for the mouth's centre and draws a box around the lips (their half width and
-half height at that frame's jaw and width, plus a margin), in JAX so that training batches
-get their loss weights on the device.
+line (`face.mouth_layout`: its centre below the head centre and the lips' half sizes at a
+mouth state), then moves the head by its offset (dx, dy) and rolls it about the neck
+pivot. `mouth_mask` applies that transform to the mouth's centre and draws a box around
+the lips, plus a margin, in JAX so that training batches get their loss weights on the
+device.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from characters_jax.data.face import FACE_CENTRE_Y, NECK_PIVOT, layout_unit
+from characters_jax.data.face import FACE_CENTRE_Y, NECK_PIVOT, layout_unit, mouth_layout
 from characters_jax.data.identity import shape_offset
 from characters_jax.data.motion import DX, DY, JAW, TILT, WIDTH
 
@@ -25,11 +25,10 @@ def mouth_box(identity: jax.Array, params: jax.Array, height: int, width: int):
     identity [IDENTITY_SIZE], params [T, FRAME_PARAMS]."""
     unit = layout_unit(height, width)
     face_h, mouth_w = identity[shape_offset("face_height")], identity[shape_offset("mouth_width")]
-    jaw, lip_w, tilt = params[:, JAW], params[:, WIDTH], params[:, TILT]
-    opening = 0.075 * jaw * (1.1 - 0.25 * lip_w)
-    my = 0.15 * face_h + 0.5 * opening  # head frame, units below the head centre
-    half_w = 0.068 * mouth_w * (0.72 + 0.5 * lip_w) + 0.01 + MARGIN
-    half_h = 0.5 * opening + 0.013 + 0.006 * (1.0 - lip_w) + MARGIN
+    tilt = params[:, TILT]
+    m = mouth_layout(face_h, mouth_w, params[:, JAW], params[:, WIDTH])
+    my = m.centre_y  # head frame, units below the head centre
+    half_w, half_h = m.lips_half_width + MARGIN, m.lips_half_height + MARGIN
     dx, dy = params[:, DX] * height / unit, params[:, DY] * height / unit
     x = dx - jnp.sin(tilt) * (my - NECK_PIVOT)
     y = dy + NECK_PIVOT + jnp.cos(tilt) * (my - NECK_PIVOT)

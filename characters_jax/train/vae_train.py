@@ -1,7 +1,7 @@
 """VAE training: the config's video encoder and causal decoder on rendered faces.
 
-A sample is `chunks` latent frames' worth of video (4 frames each) from `faces.FaceSampler`
-rendered on the device; the encoder maps each chunk to a latent frame, noise is added to the
+A sample is `chunks` latent frames' worth of video (4 frames each) drawn from a
+`faces.FacePool` and rendered on the device (no host work per step); the encoder maps each chunk to a latent frame, noise is added to the
 latents (a random fraction `latent_noise` of their RMS: the decoder learns to draw what
 an imperfect generator gives it), and the decoder, from an empty temporal history as at
 the start of a session, redraws the frames. Loss: per pixel |d| + d^2 (RGB in [-1, 1]),
@@ -12,8 +12,6 @@ the latents' mean square.
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,7 @@ from flax import nnx
 from characters_jax.config import Config
 from characters_jax.decoder.runtime import init_module
 from characters_jax.decoder.vae import VideoDecoder, VideoEncoder
-from characters_jax.train.faces import FaceSampler, render_video
+from characters_jax.train.faces import FacePool, render_video
 from characters_jax.train.geometry import mouth_mask
 from characters_jax.train.loop import LoopSettings, run_stage
 from characters_jax.train.optim import OptimSettings, TrainState, apply_gradients, init_state, make_optimizer
@@ -38,6 +36,9 @@ class VaeSettings:
     latent_l2: float = 1e-4
     latent_noise: float = 0.15
     still_fraction: float = 0.1
+    pool_identities: int = 2048
+    pool_motions: int = 1024
+    pool_span: int = 240  # frames of each motion (a window's head has drifted)
     optim: OptimSettings = OptimSettings(lr=1e-3, warmup_steps=100, ema_decay=0.998)
     loop: LoopSettings = LoopSettings(max_steps=20000, log_every=100)
 
@@ -85,8 +86,12 @@ def make_step(vae: Vae, s: VaeSettings, tx):
     cfg = vae.config
     h, w = cfg.video.height, cfg.video.width
 
+    frames = s.chunks * cfg.video.frames_per_step
+
     def step(state: TrainState, batch, lr):
-        identities, params, key = batch
+        pool, key = batch
+        k_faces, key = jax.random.split(key)
+        identities, params = pool.sample(k_faces, s.batch, frames, s.still_fraction)
         video = render_video(identities, params, height=h, width=w)
         mask = jax.vmap(lambda i, p: mouth_mask(i, p, h, w))(identities, params)
         (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, p, video, mask, key), has_aux=True)(state.params)
@@ -94,36 +99,6 @@ def make_step(vae: Vae, s: VaeSettings, tx):
         return state, {**metrics, "grad_norm": gnorm}
 
     return jax.jit(step, donate_argnums=(0,))
-
-
-class Prefetch:
-    """Host batches made by a background thread (numpy work overlaps the device's)."""
-
-    def __init__(self, make, depth: int = 3):
-        self._q: queue.Queue = queue.Queue(depth)
-        self._make = make
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="prefetch")
-        self._thread.start()
-
-    def _run(self):
-        i = 0
-        while not self._stop.is_set():
-            item = self._make(i)
-            while not self._stop.is_set():
-                try:
-                    self._q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            i += 1
-
-    def get(self):
-        return self._q.get()
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, log, seed: int = 0):
@@ -136,23 +111,11 @@ def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, l
     if resumed is not None:
         state, record = resumed
         log(f"vae: resuming at step {int(state.step)}")
-    sampler = FaceSampler(frames=s.chunks * cfg.video.frames_per_step, still_fraction=s.still_fraction)
-    start = int(state.step)
-
-    def make(i):
-        return sampler.batch(np.random.default_rng([seed, 1, start, i]), s.batch)
-
-    prefetch = Prefetch(make)
-    key = jax.random.key(seed)
-
-    def next_batch(step):
-        ident, params = prefetch.get()
-        return jnp.asarray(ident), jnp.asarray(params), jax.random.fold_in(key, step)
-
-    try:
-        state, record = run_stage("vae", state, make_step(vae, s, tx), next_batch, store=store, record=record,
-                                  budget_s=budget_s, loop=s.loop, optim=s.optim, examples_per_step=s.batch,
-                                  log=log)
-    finally:
-        prefetch.close()
+    if budget_s > 0:
+        pool = FacePool.make(np.random.default_rng([seed, 1]), s.pool_identities, s.pool_motions, s.pool_span,
+                             cfg.video.fps)
+        key = jax.random.key(seed)
+        state, record = run_stage("vae", state, make_step(vae, s, tx), lambda i: (pool, jax.random.fold_in(key, i)),
+                                  store=store, record=record, budget_s=budget_s, loop=s.loop, optim=s.optim,
+                                  examples_per_step=s.batch, log=log)
     return vae, state.ema, record
