@@ -153,3 +153,12 @@ def test_probe_weights_are_small_and_round_trip(tmp_path):
         load_probe("mouth", default_path("identity"))
     with pytest.raises(FileNotFoundError):
         load_probe("mouth", tmp_path / "missing.npz")
+
+
+def test_the_lipsync_command_rejects_bad_arguments(tmp_path, capsys):
+    from characters_jax.cli import main
+
+    assert main(["lipsync", "score", "--data", str(tmp_path)]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert main(["lipsync", "evaluate", "--clips", "1"]) == 2
+    assert "at least 2" in capsys.readouterr().err

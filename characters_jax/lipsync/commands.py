@@ -14,7 +14,12 @@ DEFAULTS = {"mouth": (6000, "24,32,48,64"), "identity": (3000, "16,24,32,48")}
 
 def _train_probe(args) -> int:
     from characters_jax.lipsync.probe import default_path
-    from characters_jax.lipsync.train import TrainSpec, train_probe
+
+    try:
+        from characters_jax.lipsync.train import TrainSpec, train_probe
+    except ImportError as err:
+        print(f"characters-jax lipsync train-probe: {err} (pip install -e '.[train]')", file=sys.stderr)
+        return 2
 
     steps, widths = DEFAULTS[args.kind]
     spec = TrainSpec(kind=args.kind, steps=args.steps or steps, batch=args.batch, pool=args.pool, seed=args.seed,
@@ -30,10 +35,18 @@ def _train_probe(args) -> int:
 
 
 def _evaluate(args) -> int:
+    from characters_jax.data.speech import EspeakError
     from characters_jax.lipsync.evaluate import evaluate
 
-    result = evaluate(clips=args.clips, seconds=args.seconds, height=args.height, width=args.width, seed=args.seed,
-                      identities=args.identities)
+    if args.clips < 2 or args.identities < 2:
+        print("characters-jax lipsync evaluate: --clips and --identities must be at least 2", file=sys.stderr)
+        return 2
+    try:
+        result = evaluate(clips=args.clips, seconds=args.seconds, height=args.height, width=args.width,
+                          seed=args.seed, identities=args.identities)
+    except (EspeakError, ValueError, FileNotFoundError) as err:
+        print(f"characters-jax lipsync evaluate: {err}", file=sys.stderr)
+        return 1
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:
