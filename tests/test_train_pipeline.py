@@ -62,7 +62,8 @@ def test_train_all_runs_every_stage_and_the_losses_fall(trained):
     assert summary["stages"]["latents"]["clips"] == 6 and summary["stages"]["latents"]["steps_per_clip"] == 12
     assert json.loads((out / "summary.json").read_text())["stages"]["dit"]["steps"] == 14
     result = json.loads((out / "eval" / "eval.json").read_text())
-    assert set(result["table"]) == {"ground truth", "ground truth, shuffled", "generated", "generated, shuffled"}
+    assert set(result["table"]) == {"ground truth", "ground truth, shuffled", "through the VAE", "generated",
+                                   "generated, shuffled"}
     assert "| generated |" in (out / "eval" / "eval.md").read_text()
 
 

@@ -98,8 +98,13 @@ class VaeRuntime:
             z = nnx.merge(enc_def, params).encode_image(x)
             return unit_rms(z) if stats is None else stats.normalise(z)
 
+        def _encode_video(params, rgb):
+            z = nnx.merge(enc_def, params)(rgb.astype(jnp.float32) / 127.5 - 1.0)
+            return jax.vmap(unit_rms)(z) if stats is None else stats.normalise(z)
+
         self._decode = jax.jit(_decode, donate_argnums=(1,))
         self._encode = jax.jit(_encode)
+        self._encode_video = jax.jit(_encode_video)
         shapes = jax.eval_shape(lambda p, z: nnx.merge(dec_def, p)(z[None], None)[1], self._dec_params, jax.ShapeDtypeStruct(self.latent_shape, jnp.float32))
         self._state_shapes = shapes
 
@@ -114,6 +119,11 @@ class VaeRuntime:
     def encode(self, rgb: np.ndarray) -> jax.Array:
         """rgb [H, W, 3] uint8 at the video size -> latent [grid_h, grid_w, latent_channels] f32."""
         return self._encode(self._enc_params, jnp.asarray(rgb, jnp.uint8))
+
+    def encode_video(self, rgb: np.ndarray) -> jax.Array:
+        """rgb [4k, H, W, 3] uint8 -> latents [k, grid_h, grid_w, latent_channels] f32, one
+        per chunk of frames_per_step frames (in the generator's space, as `encode`)."""
+        return self._encode_video(self._enc_params, jnp.asarray(rgb, jnp.uint8))
 
     def warmup(self) -> None:
         """Compiles both programs."""

@@ -121,7 +121,8 @@ class VideoDecoder(nnx.Module):
         self.conv_out = CausalConv3d(ch[-1], d.out_channels, dtype=dt, rngs=rngs)
         self.dtype = dt
 
-    def __call__(self, z, state=None):
+    def __call__(self, z, state=None, clip: bool = True):
+        """clip: the frames clipped to [-1, 1] (False: as the last conv draws them, for training)."""
         it = iter(state) if state is not None else None
         new = []
 
@@ -142,7 +143,8 @@ class VideoDecoder(nnx.Module):
         u = self.unpatchify
         t, h, w, _ = x.shape
         x = x.reshape(t, h, w, u, u, 3).transpose(0, 1, 3, 2, 4, 5).reshape(t, h * u, w * u, 3)
-        return jnp.clip(x.astype(jnp.float32), -1.0, 1.0), new
+        x = x.astype(jnp.float32)
+        return (jnp.clip(x, -1.0, 1.0) if clip else x), new
 
 
 class VideoEncoder(nnx.Module):

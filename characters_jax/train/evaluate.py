@@ -9,6 +9,8 @@ ground-truth mouth track; rows of the table:
 
   ground truth          the renderer's frames of the clip (the measure's ceiling)
   ground truth, shuffled   the same frames against another clip's track
+  through the VAE       the ground truth encoded and decoded by the trained VAE (the
+                        ceiling of what the generator's latents can show)
   generated             the trained model's frames
   generated, shuffled   the same frames against another clip's track
   random weights        the untrained model's frames (random DiT and VAE)
@@ -66,6 +68,16 @@ def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, 
     return video[:frames] if frames is not None else video
 
 
+def reconstruct(vae, frames: np.ndarray) -> np.ndarray:
+    """uint8 [T, H, W, 3]: frames (T a multiple of 4) encoded, then decoded chunk by chunk
+    with the decoder's state carried."""
+    state, out = vae.initial_state(), []
+    for z in np.asarray(vae.encode_video(frames)):
+        chunk, state = vae.decode(state, z)
+        out.append(np.asarray(chunk))
+    return np.concatenate(out)
+
+
 def _mean(values) -> float:
     return round(float(np.mean(values)), 4)
 
@@ -120,6 +132,7 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     rows = {
         "ground truth": [score(gt[i], tracks[i], mouth) for i in range(n)],
         "ground truth, shuffled": [score(gt[i], tracks[other[i]], mouth) for i in range(n)],
+        "through the VAE": [score(reconstruct(vae, gt[i]), tracks[i], mouth) for i in range(n)],
         "generated": [score(made[i], tracks[i], mouth) for i in range(n)],
         "generated, shuffled": [score(made[i], tracks[other[i]], mouth) for i in range(n)],
     }

