@@ -26,7 +26,7 @@ def mini_settings(**stages):
     loop = {"log_every": 1, "plan_after": 100, "save_every_s": 3600.0}
     raw = {
         "seed": 0,
-        "budget": {"deadline_s": 900.0, "vae": 0.3, "dit": 0.3, "eval": 0.2},
+        "budget": {"deadline_s": 900.0, "vae": 0.3, "eval": 0.2},
         "data": {"train_clips": 6, "clip_seconds": 2.0, "heldout_clips": 2, "heldout_seconds": 2.0,
                  "session_seconds": 0.0, "workers": 2, "shard_size": 3, "min_train_clips": 6},
         "vae": {"batch": 4, "chunks": 1, "lr": 3e-3, "warmup_steps": 3, "max_steps": 14, "pool_identities": 32,

@@ -4,9 +4,11 @@ periodic checkpoints.
 The step function is jitted with the train state donated; the loop never waits for the
 device except at a progress line (every `log_every` steps: the metrics of that step come
 back, which also bounds how far the host runs ahead) and at a checkpoint. The number of
-steps is planned once, from the speed measured over the first steps after compilation, so
-that the stage ends inside its budget (`max_steps` caps it); the learning-rate schedule
-follows that plan. A resumed stage keeps its plan and its history.
+steps is planned from the speed measured over the first steps after compilation, so that
+the stage ends inside its budget (`max_steps` caps it), and planned once more at the first
+progress line past a quarter of the budget (the speed of the steady state), while less
+than half the plan has run; the learning-rate schedule follows the plan. A resumed stage
+keeps its plan and its history.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def run_stage(name: str, state, step_fn: Callable, next_batch: Callable, *, stor
     timing_from = None  # (step, time) after the first compiled step
     rate = record.get("steps_per_s")
     seconds_before = record["seconds"]
+    replanned = planned is not None
 
     def save():
         record["seconds"] = seconds_before + time.monotonic() - t0
@@ -80,6 +83,13 @@ def run_stage(name: str, state, step_fn: Callable, next_batch: Callable, *, stor
                 record["examples_per_s"] = rate * examples_per_step
                 log(f"{name}: {rate:.2f} steps/s ({rate * examples_per_step:.0f} examples/s): {planned} steps planned")
             else:
+                if not replanned and now - t0 >= 0.25 * budget_s and step < 0.5 * planned:
+                    replanned = True
+                    rate = (step - timing_from[0]) / (now - timing_from[1])
+                    planned = int(min(loop.max_steps, step + max(0.0, budget_s - (now - t0)) * rate * 0.97))
+                    record["planned_steps"], record["steps_per_s"] = planned, rate
+                    record["examples_per_s"] = rate * examples_per_step
+                    log(f"{name}: {rate:.2f} steps/s steady: {planned} steps planned")
                 elapsed = seconds_before + now - t0
                 history.append([step, round(elapsed, 2)] + [round(v, 6) for v in values.values()])
                 record["history_columns"] = ["step", "seconds"] + list(values)

@@ -9,8 +9,9 @@ Output directory (everything a rerun resumes from):
   weights.tar  the same, as one file to carry
   eval/      eval.json and eval.md (`evaluate`)
   summary.json  stage times, steps, examples/s, loss histories, the evaluation's table
-Time: the VAE and the DiT get their shares of the deadline (`BudgetSettings`); the DiT's is
-cut to what the deadline leaves after its reserve for the evaluation and the packing. A
+Time: the VAE gets its share of the deadline (`BudgetSettings`), the DiT what the deadline
+leaves after the evaluation's share and the packing (its share is what the settings plan
+for it). A
 stage that already finished is not run again; one that was cut off resumes from its last
 checkpoint.
 """
@@ -162,8 +163,8 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
 
         # DiT
         t = clock.elapsed
-        dit_budget = 0.0 if dit_store.done else max(0.0, min(b.dit * deadline_s,
-                                                           clock.left - b.eval * deadline_s - PACK_RESERVE_S))
+        # the DiT takes what the deadline leaves after the evaluation's share and the packing
+        dit_budget = 0.0 if dit_store.done else max(0.0, clock.left - b.eval * deadline_s - PACK_RESERVE_S)
         graphdef, dit_params, dit_record = train_dit(cfg, s.dit, data, dit_store, dit_budget, log, s.seed)
         if not dit_store.done:
             dit_store.mark_done({"step": dit_record.get("planned_steps")})

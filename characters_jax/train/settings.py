@@ -37,13 +37,12 @@ class DataSettings:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSettings:
-    """Shares of the deadline: the VAE, the DiT and the evaluation; what is left covers the
-    latents, the checkpoints and the packing (the data runs beside the VAE)."""
+    """Shares of the deadline: the VAE's and the evaluation's; the DiT gets what the VAE, the
+    latents and the packing leave before the evaluation (the data runs beside the VAE)."""
 
-    deadline_s: float = 500.0
-    vae: float = 0.22
-    dit: float = 0.56
-    eval: float = 0.12
+    deadline_s: float = 480.0
+    vae: float = 0.30
+    eval: float = 0.14
 
 
 @dataclasses.dataclass(frozen=True)
