@@ -19,7 +19,7 @@ def _all(args) -> int:
     from characters_jax.train.pipeline import train_all
 
     cfg, s = _settings(args)
-    train_all(cfg, s, args.out, deadline_s=args.deadline_s)
+    train_all(cfg, s, args.out, deadline_s=args.deadline_s, export=args.export)
     return 0
 
 
@@ -88,6 +88,8 @@ def register(subparsers) -> None:
     common(q)
     q.add_argument("--out", required=True, help="output directory; a rerun resumes from it")
     q.add_argument("--deadline-s", type=float, default=None, help="wall-clock seconds for the whole run")
+    q.add_argument("--export", default=None,
+                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
     q.set_defaults(func=_errors(_all))
 
     q = sub.add_parser("eval", help="lip sync, identity and drift of a weights directory on held-out clips")

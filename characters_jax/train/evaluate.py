@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
 import numpy as np
 
 from characters_jax.config import Config
@@ -78,6 +79,32 @@ def reconstruct(vae, frames: np.ndarray) -> np.ndarray:
     return np.concatenate(out)
 
 
+# The engine's portable paths, for a backend where a default kernel does not build.
+PORTABLE = dict(attention="reference", gemm="xla", input_quant="xla", qkv_prep="xla")
+
+
+def make_generator(cfg: Config, log, checkpoint=None, seed: int = 0):
+    """DiTGenerator with the engine's default options (what `serve` runs), compiled by one
+    prefill and step; if that fails, the portable paths (`PORTABLE`). Returns (generator,
+    options used: None for the defaults)."""
+    from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.engine.step import EngineOptions
+
+    v, m = cfg.video, cfg.model
+
+    def build(options):
+        gen = DiTGenerator(cfg, checkpoint=checkpoint, seed=seed, options=options)
+        gen.start_session(np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32), [32], 0)
+        np.asarray(gen.step(np.zeros((m.audio_tokens_per_step, m.audio_feature_dim), np.float32)))
+        return gen
+
+    try:
+        return build(EngineOptions()), None
+    except Exception as err:  # noted in the result
+        log(f"eval: the engine's default paths failed ({type(err).__name__}: {err}); using {PORTABLE}")
+        return build(EngineOptions(**PORTABLE)), PORTABLE
+
+
 def _mean(values) -> float:
     return round(float(np.mean(values)), 4)
 
@@ -97,13 +124,17 @@ def _identity_probe():
         return None
 
 
-def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, log=print) -> dict:
+def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, log=print,
+             time_limit_s: float | None = None) -> dict:
     """Scores of `weights` (a weights directory) on `plans` (PlanSet of held-out clips) and,
-    given `session` (a PlanSet of one long held-out clip), the drift figures."""
+    given `session` (a PlanSet of one long held-out clip), the drift figures.
+
+    time_limit_s: past it no more clips are generated (the table covers those done, at
+    least 2; the random-weight row as many as time allows), and the drift session runs
+    only if its estimated time fits; the result says what was cut."""
     from characters_jax.data.face import render_frames
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.weights import dit_checkpoint
-    from characters_jax.engine.generator import DiTGenerator
     from characters_jax.lipsync.identity import identify, identity_distance
     from characters_jax.lipsync.probe import load_probe
     from characters_jax.lipsync.score import score
@@ -115,20 +146,29 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     frames_n = plans.params.shape[1]
     portraits = [portrait(plans.identity[i], plans.params[i], h, w) for i in range(n)]
     tracks = plans.track
-    other = [(i + 1) % n for i in range(n)]  # the shuffled pairing: another clip's track
 
-    def sessions(gen, vae, label):
-        out = []
-        for i in range(n):
+    deadline = t0 + time_limit_s if time_limit_s is not None else float("inf")
+    notes = []
+
+    def sessions(gen, vae, label, count):
+        out, t1 = [], time.monotonic()
+        for i in range(count):
+            if i >= 2 and time.monotonic() > deadline:
+                notes.append(f"{label}: {i} of {count} clips (time limit)")
+                break
             out.append(generate(cfg, gen, vae, portraits[i], plans.audio[i], settings.prompt, seed=settings.seed + i,
                                 frames=frames_n))
-        log(f"eval: {label}: {n} clips generated ({time.monotonic() - t0:.0f} s)")
+        log(f"eval: {label}: {len(out)} clips generated in {time.monotonic() - t1:.0f} s")
         return out
 
-    gt = [render_frames(plans.identity[i], plans.params[i], h, w) for i in range(n)]
-    gen = DiTGenerator(cfg, checkpoint=dit_checkpoint(weights.path, cfg))
+    gen, engine_options = make_generator(cfg, log, checkpoint=dit_checkpoint(weights.path, cfg))
     vae = VaeRuntime(cfg, checkpoint=weights.path)
-    made = sessions(gen, vae, "trained")
+    t_gen = time.monotonic()
+    made = sessions(gen, vae, "trained", n)
+    step_s = (time.monotonic() - t_gen) / max(1, len(made) * frames_n // cfg.video.frames_per_step)
+    n = len(made)
+    other = [(i + 1) % n for i in range(n)]
+    gt = [render_frames(plans.identity[i], plans.params[i], h, w) for i in range(n)]
     rows = {
         "ground truth": [score(gt[i], tracks[i], mouth) for i in range(n)],
         "ground truth, shuffled": [score(gt[i], tracks[other[i]], mouth) for i in range(n)],
@@ -137,17 +177,19 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
         "generated, shuffled": [score(made[i], tracks[other[i]], mouth) for i in range(n)],
     }
     if settings.random_baseline:
-        rand = sessions(DiTGenerator(cfg, seed=settings.seed), VaeRuntime(cfg, seed=settings.seed), "random weights")
-        rows["random weights"] = [score(rand[i], tracks[i], mouth) for i in range(n)]
+        rand = sessions(make_generator(cfg, log, seed=settings.seed)[0], VaeRuntime(cfg, seed=settings.seed),
+                        "random weights", n)
+        rows["random weights"] = [score(rand[i], tracks[i], mouth) for i in range(len(rand))]
     table = {k: _row(v) for k, v in rows.items()}
     result = {"config": cfg.name, "clips": n, "frames": int(frames_n), "seconds": frames_n / cfg.video.fps,
+              "backend": jax.default_backend(), "engine_options": engine_options or "defaults",
               "table": table, "per_clip": {k: [s.as_dict() for s in v] for k, v in rows.items()}}
     g, gs, t = table["generated"]["confidence"], table["generated, shuffled"]["confidence"], table["ground truth"]["confidence"]
     result["targets"] = {"confidence_vs_ground_truth": round(g / t, 3) if t else None,
                          "confidence_vs_shuffled": round(g / gs, 3) if gs > 0 else None,
                          "median_lag": table["generated"]["median_lag"]}
     if ident_probe is not None:
-        refs = np.stack(portraits)
+        refs = np.stack(portraits[:n])
         kept = [identify(made[i], refs, ident_probe).rank_of(i) == 0 for i in range(n)]
         result["identity"] = {"kept": _mean(kept), "clips": n,
                               "distance": _mean([identity_distance(made[i], portraits[i], ident_probe) for i in range(n)]),
@@ -156,8 +198,13 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     else:
         result["identity"] = "no identity probe weights (characters_jax/lipsync/weights/identity_probe.npz)"
     if session is not None and len(session):
-        result["drift"] = drift(cfg, gen, vae, session, settings, mouth, ident_probe)
-        log(f"eval: drift session of {result['drift']['seconds']:.0f} s done ({time.monotonic() - t0:.0f} s)")
+        need = 1.3 * step_s * session.params.shape[1] / cfg.video.frames_per_step
+        if time.monotonic() + need <= deadline:
+            result["drift"] = drift(cfg, gen, vae, session, settings, mouth, ident_probe)
+            log(f"eval: drift session of {result['drift']['seconds']:.0f} s done ({time.monotonic() - t0:.0f} s)")
+        else:
+            notes.append(f"drift session skipped: ~{need:.0f} s needed, time limit")
+    result["notes"] = notes
     result["seconds_taken"] = round(time.monotonic() - t0, 1)
     return result
 

@@ -38,6 +38,7 @@ from characters_jax.train.settings import TrainSettings
 from characters_jax.train.state_io import StageStore, write_json
 
 PACK_RESERVE_S = 20.0
+EVAL_MARGIN_S = 10.0  # the evaluation stops starting clips this long before the deadline
 
 
 class Clock:
@@ -117,8 +118,10 @@ def pure(tree):
     return jax.tree.map(lambda x: np.asarray(x), tree)
 
 
-def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = None, log=None) -> dict:
-    """Runs or resumes every stage into `out`; returns the summary (also summary.json)."""
+def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = None, log=None, export=None) -> dict:
+    """Runs or resumes every stage into `out`; returns the summary (also summary.json).
+    export: a directory that gets weights.tar, eval.json, eval.md and summary.json copied
+    as soon as each exists (what a machine with a hard time limit hands back)."""
     from characters_jax.train.dit_train import train_dit
     from characters_jax.train.vae_train import train_vae
 
@@ -176,11 +179,14 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         weights_dir = pack(cfg, out, dit_params, vae_params, stats, summary)
         summary["stages"]["pack"] = {"seconds": round(clock.elapsed - t, 1)}
         log(f"weights: {weights_dir} ({_size_mb(weights_dir):.1f} MB), {out / 'weights.tar'}")
+        write_json(out / "summary.json", summary)
+        _export(export, out / "weights.tar", out / "summary.json")
 
         # evaluation: its failure still leaves the weights and the summary
         t = clock.elapsed
         try:
-            result = run_eval(cfg, s, out, queue, weights_dir, log)
+            result = run_eval(cfg, s, out, queue, weights_dir, log, time_limit_s=clock.left - EVAL_MARGIN_S)
+            _export(export, out / "eval" / "eval.json", out / "eval" / "eval.md")
             summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "drift") if k in result}
             log("eval:\n" + markdown(result))
         except Exception as err:
@@ -191,11 +197,22 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         queue.stop()
     summary["seconds"] = round(clock.elapsed, 1)
     write_json(out / "summary.json", summary)
+    _export(export, out / "summary.json")
     log(f"train all: done in {clock.elapsed:.0f} s")
     return summary
 
 
-def run_eval(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, weights_dir, log) -> dict:
+def _export(directory, *paths) -> None:
+    if directory is None:
+        return
+    pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
+    for p in paths:
+        if p.is_file():
+            shutil.copy2(p, pathlib.Path(directory) / p.name)
+
+
+def run_eval(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, weights_dir, log,
+             time_limit_s: float | None = None) -> dict:
     """Evaluates weights_dir on the held-out plans (and the drift session); writes
     out/eval/eval.json and eval.md."""
     queue.wait_for("heldout", s.data.heldout_clips, done=True)
@@ -204,7 +221,8 @@ def run_eval(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue,
     if "session" in queue.makers:
         queue.wait_for("session", 1, done=True)
         session = load_plans(out / "plans" / "session", "heldout")
-    result = evaluate(cfg, open_weights(weights_dir, cfg), heldout, s.eval, session=session, log=log)
+    result = evaluate(cfg, open_weights(weights_dir, cfg), heldout, s.eval, session=session, log=log,
+                      time_limit_s=time_limit_s)
     (out / "eval").mkdir(exist_ok=True)
     write_json(out / "eval" / "eval.json", result)
     (out / "eval" / "eval.md").write_text(markdown(result))
