@@ -209,3 +209,21 @@ def check_tree(what: str, have: dict, want: dict) -> None:
 def abstract_tree(tree):
     """A tree of ShapeDtypeStructs with the same shapes and dtypes."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def dit_target(cfg) -> dict:
+    """The DiT parameters' pure dict of ShapeDtypeStructs that the engine restores."""
+    from flax import nnx
+
+    from characters_jax.model.dit import DiT
+
+    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))))
+
+
+def dit_checkpoint(directory, cfg) -> str:
+    """The orbax directory of the DiT in a weights directory, after every start-up check
+    against cfg (`open_weights`, and the DiT's arrays against the engine's): the path to
+    give `DiTGenerator(checkpoint=...)`."""
+    w = open_weights(directory, cfg)
+    check_tree(f"{w.path}: dit", w.manifest["trees"]["dit"], tree_spec(dit_target(cfg)))
+    return str(w.part("dit"))
