@@ -20,9 +20,9 @@ then scale = max(amax(h), 1e-12) / 448 and values = clip(h * (1 / scale)) -> e4m
 ``fp8_linear.quantize_activation(per_row=True)``. ``reference`` is that model code.
 
 Layout: a program handles ``rows_per_program`` rows; a row is split into chunks of
-``chunk`` lanes (a power of two; the last chunk masked), all loaded up front, so a thread
-holds only its share of the real row, not of the row rounded up to a power of two (9216
-lanes -> 16384 in the first version: 44% of the registers masked).
+``chunk`` lanes (a power of two; the last chunk masked), all loaded up front and kept in
+registers, so a thread holds only its share of the real row, not of the row rounded up to
+a power of two (9216 lanes -> 16384: 44% of the registers masked).
 
 Shapes and dtypes:
   x      [Mx, D] bfloat16 (or float32), Mx >= M: rows from M on are not read
@@ -49,19 +49,14 @@ KERNEL_NAME = "fp8_row_quantize"
 class Layout:
     """How the kernel covers the rows: ``rows_per_program`` rows per program (a power of
     two), each row in chunks of ``chunk`` lanes (a power of two; None: the row's next power
-    of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
-    (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
-    that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
-    time, not the row; False keeps the row in registers, read once."""
+    of two, one chunk), ``num_warps`` warps per program. The row stays in registers, read
+    once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
-    reload: bool = False
 
     def __post_init__(self):
-        if self.reload and self.chunk is None:
-            raise ValueError("Layout.reload loops over chunks: give a chunk size")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -75,9 +70,8 @@ class Layout:
 
 
 # The default (BUILD_NOTES, "Every GEMM input quantized by one kernel", "The row-quantize
-# kernel's layout"): at 757 x 9216 in the tp=4 share's step 15.8 us a call on an H200, where
-# the first version, Layout(1, None, 8), took 20.1; within ~5% of the best layout tried at
-# every shape; reload layouts 1.2-1.5x slower.
+# kernel's layout"): at 757 x 9216 in the tp=4 share's step 15.8 us a call on an H200,
+# against 20.1 for Layout(1, None, 8); within ~5% of the best layout tried at every shape.
 DEFAULT_LAYOUT = Layout()
 
 
@@ -130,13 +124,10 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
     valid = row_ids < m  # [r]
     dtype = x_ref.dtype
     n_chunks = -(-d // chunk)
-    memo = {}  # (kind, chunk) -> values, when the row stays in registers
+    memo = {}  # (kind, chunk) -> values: the row stays in registers
 
     def each(fn, init):
-        """fn(i, acc) folded over the chunks: a loop whose every pass loads its chunk again
-        (``Layout.reload``), or unrolled over values loaded once."""
-        if layout.reload:
-            return jax.lax.fori_loop(0, n_chunks, fn, init)
+        """fn(i, acc) folded over the chunks, unrolled over values loaded once."""
         for i in range(n_chunks):
             init = fn(i, init)
         return init
@@ -148,10 +139,7 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
         return cols, cols < d
 
     def remembered(kind, fn):
-        """fn(i) once per chunk with the row in registers; every time with reload."""
-        if layout.reload:
-            return fn
-
+        """fn(i) once per chunk: the row stays in registers."""
         def once(i):
             if (kind, i) not in memo:
                 memo[(kind, i)] = fn(i)

@@ -55,7 +55,7 @@ def test_bench_rejects_bad_arguments():
     assert proc.returncode == 2 and "not found" in proc.stderr
     # A Pallas attention kernel asked for by name where it cannot run (tiny: head_dim 16,
     # no Hopper GPU here), and an unknown name: a message, no traceback.
-    proc = cli("bench", "--config", "tiny", "--attention", "pallas-qik", "--steps", "1")
+    proc = cli("bench", "--config", "tiny", "--attention", "pallas", "--steps", "1")
     assert proc.returncode == 2 and "head_dim 128" in proc.stderr and "Traceback" not in proc.stderr
     proc = cli("bench", "--config", "tiny", "--attention", "flash", "--steps", "1")
     assert proc.returncode == 2 and "unknown attention impl 'flash'" in proc.stderr

@@ -159,14 +159,13 @@ def test_bad_session_inputs_are_rejected():
 
 
 def test_fused_reduction_by_name_needs_fp8_weights():
-    """reduce='pallas' / 'pallas-stream-k' named for float weights: a ConfigError at
-    construction, not an error from inside the first trace."""
+    """reduce='pallas' named for float weights: a ConfigError at construction, not an
+    error from inside the first trace."""
     from characters_jax.config import ConfigError
 
     assert CFG.model.weight_dtype != "fp8"
-    for method in ("pallas", "pallas-stream-k"):
-        with pytest.raises(ConfigError, match="weight_dtype"):
-            DiTGenerator(CFG, tp=2, options=EngineOptions(reduce=method))
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        DiTGenerator(CFG, tp=2, options=EngineOptions(reduce="pallas"))
 
 
 def test_stacked_gemm_reads_the_same_weights():
@@ -191,73 +190,6 @@ def test_stacked_gemm_reads_the_same_weights():
     assert np.isfinite(by_row).all()
     print(f"per-row vs per-tensor activation scales: {rel(by_row, stacked):.2e}")
     assert 1e-4 < rel(by_row, stacked) < 5e-2
-
-
-def test_transposed_v_cache_is_the_same_step():
-    """v_cache='transposed' (V stored as the Pallas kernel's V^T [L, H, D, S'], written by
-    16-aligned windows) gives bit-identical frames to the plain [L, S, H, D] cache on CPU,
-    where the reference attention undoes the layout; 7 steps at tp=2 wrap the 6-frame ring
-    and write frames at unaligned slots."""
-
-    def run(v_cache):
-        gen = DiTGenerator(CFG, tp=2, options=EngineOptions(v_cache=v_cache))
-        rs = np.random.RandomState(0)
-        gen.start_session(rs.randn(CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels).astype(np.float32), list(b"hello"), seed=3)
-        audio = rs.randn(7, CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim).astype(np.float32)
-        return gen, np.stack([np.asarray(gen.step(jnp.asarray(a))) for a in audio])
-
-    gen_t, frames_t = run("transposed")
-    layout = gen_t.engine.layout
-    assert layout.v_transposed and gen_t.state.cache.v.shape == layout.v_shape()
-    assert layout.v_shape()[1:3] == (CFG.model.num_heads, CFG.model.head_dim)
-    assert layout.sink_slots % 16 or layout.tokens_per_step % 16  # unaligned windows happen
-    gen_p, frames_p = run("plain")
-    assert not gen_p.engine.layout.v_transposed
-    np.testing.assert_array_equal(frames_t, frames_p)
-    # The stored V^T is the plain cache's V, transposed, for every block and slot.
-    from pallas_kernels.fp8_attention import transpose_v
-    v_plain = gen_p.state.cache.v
-    np.testing.assert_array_equal(np.asarray(gen_t.state.cache.v), np.asarray(transpose_v(v_plain)))
-    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # 'auto' off Hopper: plain
-    with pytest.raises(ValueError, match="v_cache"):
-        EngineOptions(v_cache="hds")
-    with pytest.raises(ValueError, match="ring"):
-        import dataclasses
-        dataclasses.replace(layout, mode="launch")
-
-
-def test_v_cache_default_is_plain():
-    """The default stores V plain (the V^T cache's write measured slower than the
-    transposes it saves, BUILD_NOTES); only 'transposed' asks for V^T."""
-    from characters_jax.engine.step import Engine
-    from characters_jax.parallel.sharding import make_mesh
-
-    assert not Engine(CFG, make_mesh(2), EngineOptions()).layout.v_transposed
-    assert Engine(CFG, make_mesh(2), EngineOptions(v_cache="transposed")).layout.v_transposed
-
-
-@pytest.mark.parametrize("offset,t", [(0, 37), (5, 40), (16, 32), (1246, 757), (5031, 757), (250, 6)])
-def test_transposed_v_write_touches_only_its_slots(offset, t):
-    """The V^T window write at aligned, unaligned and end-clamped offsets (the 57b sink at
-    1246, its last frame at 5031 of 5788 slots -> 5888): the new slots equal the transposed,
-    permuted values; every other byte of every block is unchanged."""
-    from characters_jax.cache import kv_cache as kvc
-    from pallas_kernels.fp8_attention import transpose_v
-
-    s = max(offset + t, 300) if offset < 5000 else 5788
-    s_pad = -(-s // 128) * 128
-    rs = np.random.RandomState(offset + t)
-    vt = jnp.asarray(rs.randint(0, 256, (2, 3, 128, s_pad)).astype(np.uint8))
-    v_new = jnp.asarray(rs.randint(0, 256, (t, 3, 128)).astype(np.uint8))
-    out = np.asarray(jax.jit(kvc._write_v_transposed)(vt, jnp.int32(1), jnp.int32(offset), v_new))
-    want = np.asarray(vt).copy()
-    # The slot held at each position of V^T: transpose_v of the slot numbers themselves.
-    ids = np.asarray(transpose_v(jnp.arange(s_pad, dtype=jnp.int32).reshape(s_pad, 1, 1)))[0, 0]
-    for pos, slot in enumerate(ids):
-        if offset <= slot < offset + t:
-            want[1, :, :, pos] = np.asarray(v_new)[slot - offset]
-    assert (want != np.asarray(vt)).any()
-    np.testing.assert_array_equal(out, want)
 
 
 def test_in_place_scan_keeps_projection_weights_whole():

@@ -153,16 +153,16 @@ def test_attention_takes_the_scales_q_carries():
     ks, vs = jnp.array([0.03, 0.02]), jnp.array([0.01, 0.02])
     valid = jnp.arange(256) < 200
     q8 = fa.quantize_q(q)
-    made = fa._prepare_q_scales_bias(q8, ks, vs, valid, 128, True, pad_q=False)[1]
+    made = fa._prepare_q_scales_bias(q8, ks, vs, valid, 128)[1]
     carried = dataclasses.replace(q8, scales=fa.attention_scales(q8.row_scale, ks, vs, 1.0, 128))
     np.testing.assert_array_equal(np.asarray(made), np.asarray(carried.scales))
     jaxpr = jax.make_jaxpr(lambda s: fa._prepare_q_scales_bias(
-        dataclasses.replace(q8, scales=s), ks, vs, fa.slot_mask(valid), 128, True, pad_q=False)[1])(
+        dataclasses.replace(q8, scales=s), ks, vs, fa.slot_mask(valid), 128)[1])(
             carried.scales)
     assert jaxpr.jaxpr.outvars[0] is jaxpr.jaxpr.invars[0]  # passed through untouched
     with pytest.raises(ValueError, match="scales"):
         fa._prepare_q_scales_bias(dataclasses.replace(q8, scales=carried.scales[:, :, :64]),
-                                  ks, vs, valid, 128, True, pad_q=False)
+                                  ks, vs, valid, 128)
 
 
 def test_reference_is_the_models_code_close_to_the_kernel():

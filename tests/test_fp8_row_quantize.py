@@ -44,9 +44,8 @@ def _assert_close_to_reference(q, s, rq_, rs_, m, seed):
 
 # Layouts: the default; one chunk of the row's next power of two (the first version); two
 # rows per program with chunks smaller than the row, the last one masked.
-LAYOUTS = [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8), rq.Layout(2, 64, 4),
-           rq.Layout(2, 64, 4, reload=True)]
-LAYOUT_IDS = ["default", "one_chunk", "two_rows", "two_rows_reload"]
+LAYOUTS = [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8), rq.Layout(2, 64, 4)]
+LAYOUT_IDS = ["default", "one_chunk", "two_rows"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
@@ -64,7 +63,7 @@ def test_kernel_in_interpreter_matches_reference(m, d, rows_out, layout):
 
 
 @pytest.mark.parametrize("prologue", ["gelu", "none"])
-@pytest.mark.parametrize("layout", LAYOUTS[::3], ids=LAYOUT_IDS[::3])
+@pytest.mark.parametrize("layout", LAYOUTS[::2], ids=LAYOUT_IDS[::2])
 def test_gelu_and_plain_prologues_in_interpreter(prologue, layout):
     """The MLP hidden (GELU of up's output, whose rows past M are padding and not read:
     here NaN) and a plain activation, against the model's math."""
@@ -100,8 +99,6 @@ def test_bad_input_is_rejected():
         rq.row_quantize(x, prologue="gelu", rows=9)
     with pytest.raises(ValueError, match="power of two"):
         rq.Layout(rows_per_program=3)
-    with pytest.raises(ValueError, match="chunk size"):
-        rq.Layout(chunk=None, reload=True)
     assert rq.row_quantize(x, shift, scale, prologue="norm", eps=EPS)[0].shape == (8, 64)  # auto on CPU
 
 
@@ -109,8 +106,7 @@ def test_bad_input_is_rejected():
     ("norm", 757, 9216, rq.DEFAULT_LAYOUT, 760),
     ("norm", 757, 9216, rq.Layout(4, 1024, 8), 190),
     ("gelu", 760, 8064, rq.DEFAULT_LAYOUT, 760),  # tp=4's MLP hidden, read from up's 760 rows
-    ("none", 757, 2304, rq.DEFAULT_LAYOUT, 760),  # tp=4's attention output
-    ("norm", 757, 9216, rq.Layout(1, 1024, 4, reload=True), 760)])
+    ("none", 757, 2304, rq.DEFAULT_LAYOUT, 760)])  # tp=4's attention output
 def test_lowers_for_cuda_as_one_triton_kernel(monkeypatch, prologue, rows_in, d, layout, grid):
     """At characters-57b's shapes (757 rows -> 760): one Triton custom call, a program per
     rows_per_program output rows (the Triton lowering asks for the GPU's info: an H100's is
@@ -154,11 +150,10 @@ def test_block_with_the_kernels_as_its_inputs(monkeypatch):
     real = rq._pallas
     monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real(*a, **{**k, "interpret": True}))
     base, _ = block(x, shared, attend, reduce)
-    for mode in ("pallas-norm", "pallas"):
-        fused, _ = block(x, shared, attend, reduce, activations=block_activations(mode))
-        assert fused.shape == base.shape == (t, 64)
-        np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
-                                   rtol=2e-2, atol=2e-2)
+    fused, _ = block(x, shared, attend, reduce, activations=block_activations("pallas"))
+    assert fused.shape == base.shape == (t, 64)
+    np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
+                               rtol=2e-2, atol=2e-2)
     assert np.asarray(fused - x, np.float32).any()
 
 
@@ -168,11 +163,6 @@ def test_engine_input_quant_resolution():
 
     row = ModelConfig(weight_dtype="fp8", activation_scale="row")
     assert resolve_input_quant("auto", row) == ("pallas" if rq.is_supported() else "xla")
-    if rq.is_supported():
-        assert resolve_input_quant("pallas-norm", row) == "pallas-norm"
-    else:
-        with pytest.raises(ConfigError, match="compute capability"):
-            resolve_input_quant("pallas-norm", row)
     assert resolve_input_quant("auto", ModelConfig(weight_dtype="fp8")) == "xla"
     assert resolve_input_quant("xla", row) == "xla"
     with pytest.raises(ConfigError, match="activation_scale"):
@@ -212,8 +202,8 @@ def test_host_emulation_is_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, None, 8),
-                                    rq.Layout(4, 1024, 8), rq.Layout(1, 1024, 4, reload=True)],
-                         ids=["default", "one_chunk", "four_rows", "reload"])
+                                    rq.Layout(4, 1024, 8)],
+                         ids=["default", "one_chunk", "four_rows"])
 @pytest.mark.parametrize("m,d", [(757, 9216), (40, 2304)])
 def test_kernel_on_gpu_matches_reference(m, d, layout):
     """On the GPU at the model's shape, NaN-poisoned memory first, against the host's float64
@@ -245,8 +235,8 @@ def test_kernel_on_gpu_matches_reference(m, d, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prologue,d", [("gelu", 8064), ("gelu", 16128), ("none", 2304)])
-@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(1, 1024, 4, reload=True)],
-                         ids=["default", "reload"])
+@pytest.mark.parametrize("layout", [rq.DEFAULT_LAYOUT, rq.Layout(4, 1024, 8)],
+                         ids=["default", "four_rows"])
 def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
     """The MLP hidden from up's 760-row output (its padding rows NaN, never read) and the
     attention output, on the GPU against a float64 host emulation (GELU rounded to bf16)."""

@@ -29,8 +29,7 @@ from characters_jax.engine.state import StepState, empty_state, frame_positions,
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
-from characters_jax.parallel.row_parallel import (
-    FUSED_METHODS, STACKED_ROW_ALIGN, row_parallel_matmul_reduce)
+from characters_jax.parallel.row_parallel import STACKED_ROW_ALIGN, row_parallel_matmul_reduce
 from characters_jax.parallel.sharding import TP, ShardingRules
 from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper, slot_mask
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
@@ -44,81 +43,54 @@ class EngineOptions:
     gemm: 'auto' (= 'stacked' for FP8 weights where the stacked Pallas GEMM runs, an NVIDIA
     Hopper GPU; 'xla' elsewhere) | 'xla' (blocks' weights sliced per layer by the scan) |
     'stacked' (projection weights read in place from the layer stack:
-    `scan_blocks(in_place=True)`);
-    kv_in_place: ring cache: attention gets the whole K/V stacks and the layer index (the
-    Pallas kernel reads the layer in place, other impls slice it); False slices the layer
-    out before the call (an XLA copy of K and V per block; kept for the ablation);
+    `scan_blocks(in_place=True)`; attention-out and MLP-down as one stream-K GEMM where
+    both run the kernel);
     noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
     (random sign per element) - a run-to-run perturbation for the numerics harness;
-    v_cache: how the ring FP8 cache stores V: 'plain' (the default, measured faster:
-    [L, S, H, D], the Pallas kernel transposes each V block itself) |
-    'transposed' (the kernel's V^T [L, H, D, S'], written by the cache: no transpose per
-    attention call, 3 pipeline stages; other attention impls undo it per call). On an H200
-    at tp=1 the V^T write costs ~57 us per block pass (cache upkeep 24.4 vs 10.7 ms per
-    step) against 1.6 ms per step saved in attention: the step is 2.7% slower with it
-    (BUILD_NOTES, "The V^T cache in the step");
     input_quant: how the GEMMs' inputs are quantized for FP8 weights with per-row
     activation scales (model.activation_scale = 'row'): 'pallas' (each by one kernel of
     `pallas_kernels.fp8_row_quantize`: the block input's norm + modulation, the MLP hidden's
     GELU, the attention output, each with its rows' maxima and e4m3 in the same pass;
-    NVIDIA GPUs of compute capability 8.9+) | 'pallas-norm' (the block input's kernel only,
-    the rest by XLA) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and runs,
-    else xla);
+    NVIDIA GPUs of compute capability 8.9+) | 'xla' (XLA's fusions) | 'auto' (pallas where
+    it applies and runs, else xla);
     qkv_prep: how a step turns the qkv projection's output into the attention's operands:
     'pallas' (one kernel, `pallas_kernels.fp8_qkv_prepare`: QK-norm, RoPE, Q's e4m3 parts
-    and K/V written into the FP8 ring cache; needs the ring FP8 cache with plain V read in
-    place by the Pallas attention, 'pallas' or 'pallas-exp2', on a GPU with the kernel) |
-    'xla' (the model's code) | 'auto' (pallas where it applies and runs; at the tp=4 share
-    on an H200 the step took 102.7 against 105.8 ms, BUILD_NOTES "Q, K and V from the qkv
-    GEMM in one kernel"). Prefill always takes the model's code (it fixes the cache's
-    scales from the data first);
-    out_down: 'joined' (attention-out and MLP-down as one stream-K GEMM over both K ranges
-    where both run the stacked kernel: 'psum' with stacked weights, i.e. tp = 1 or XLA's
-    all-reduce, and 'pallas-stream-k'; `row_parallel.stacked_partial`) | 'chained' (two
-    GEMMs, attention-out's bf16 product as MLP-down's epilogue addend; the ablation)."""
+    and K/V written into the FP8 ring cache; needs the ring FP8 cache and the Pallas
+    attention, on a GPU with the kernel) | 'xla' (the model's code) | 'auto' (pallas where
+    it applies and runs). Prefill always takes the model's code (it fixes the cache's
+    scales from the data first)."""
 
     attention: str = "auto"
     reduce: str = "auto"
     gemm: str = "auto"
-    kv_in_place: bool = True
     noise_ulp_seed: int | None = None
-    v_cache: str = "plain"
     input_quant: str = "auto"
     qkv_prep: str = "auto"
-    out_down: str = "joined"
 
     def __post_init__(self):
         if self.gemm not in GEMM_MODES:
             raise ValueError(f"gemm must be one of {GEMM_MODES}, got {self.gemm!r}")
-        if self.v_cache not in V_CACHE_MODES:
-            raise ValueError(f"v_cache must be one of {V_CACHE_MODES}, got {self.v_cache!r}")
         if self.input_quant not in INPUT_QUANT_MODES:
             raise ValueError(f"input_quant must be one of {INPUT_QUANT_MODES}, got {self.input_quant!r}")
         if self.qkv_prep not in QKV_PREP_MODES:
             raise ValueError(f"qkv_prep must be one of {QKV_PREP_MODES}, got {self.qkv_prep!r}")
-        if self.out_down not in OUT_DOWN_MODES:
-            raise ValueError(f"out_down must be one of {OUT_DOWN_MODES}, got {self.out_down!r}")
 
 
 GEMM_MODES = ("auto", "xla", "stacked")
-V_CACHE_MODES = ("plain", "transposed")
-INPUT_QUANT_MODES = ("auto", "xla", "pallas", "pallas-norm")
+INPUT_QUANT_MODES = ("auto", "xla", "pallas")
 QKV_PREP_MODES = ("auto", "xla", "pallas")
-OUT_DOWN_MODES = ("joined", "chained")
 # Attention impls that take Q as the fused qkv kernel makes it (fp8_attention.QuantizedQ).
-QKV_PREP_ATTENTION = ("pallas", "pallas-exp2")
-# The modes that run fp8_row_quantize kernels.
-PALLAS_INPUT_QUANT = ("pallas", "pallas-norm")
+QKV_PREP_ATTENTION = PALLAS_IMPLS
 
 
 def resolve_input_quant(input_quant: str, model) -> str:
-    """The concrete mode ('pallas', 'pallas-norm' or 'xla') for a ModelConfig: the kernels
+    """The concrete mode ('pallas' or 'xla') for a ModelConfig: the kernels
     apply to FP8 weights with per-row activation scales; asked for by name where they
     cannot run: ConfigError."""
     applies = model.weight_dtype == "fp8" and model.activation_scale == "row"
     if input_quant == "xla":
         return "xla"
-    if input_quant in PALLAS_INPUT_QUANT:
+    if input_quant == "pallas":
         if not applies:
             raise ConfigError(f"input_quant={input_quant!r} quantizes per row for FP8 weights: "
                               "needs model.weight_dtype='fp8' and model.activation_scale='row'")
@@ -137,8 +109,6 @@ def resolve_qkv_prep(qkv_prep: str, layout: kvc.CacheLayout, options) -> str:
     attention_impl = resolve_attention(options.attention, kvc.FP8, layout.head_dim)
     missing = [why for ok, why in (
         (layout.mode == "ring" and layout.quantized, "the ring FP8 cache"),
-        (not layout.v_transposed, "plain V (v_cache='plain')"),
-        (options.kv_in_place, "K/V read in place (kv_in_place)"),
         (attention_impl in QKV_PREP_ATTENTION, f"attention {QKV_PREP_ATTENTION}"),
         (fp8_qkv_prepare.is_supported(), "an NVIDIA GPU of compute capability 8.9+"),
     ) if not ok]
@@ -153,7 +123,7 @@ def block_activations(input_quant: str) -> BlockActivations:
     """The blocks' GEMM inputs for a resolved ``input_quant``: the model's defaults ('xla'),
     or FP8 from the fused kernels, rows padded to the stacked GEMM's multiple of 8 by the
     kernels themselves (padding rows zero, scale 0)."""
-    if input_quant not in PALLAS_INPUT_QUANT:
+    if input_quant != "pallas":
         return DEFAULT_ACTIVATIONS
 
     def quantized(x, rows, **kw):
@@ -165,8 +135,6 @@ def block_activations(input_quant: str) -> BlockActivations:
     def block_input(x, shift, scale, eps):
         return quantized(x, x.shape[0], shift=shift, scale=scale, eps=eps, prologue="norm")
 
-    if input_quant == "pallas-norm":
-        return BlockActivations(block_input=block_input)
     return BlockActivations(
         block_input=block_input,
         mlp_hidden=lambda y, t: quantized(y, t, prologue="gelu"),
@@ -250,10 +218,10 @@ class Engine:
         self.input_quant = resolve_input_quant(options.input_quant, cfg.model)
         layout = kvc.CacheLayout.from_config(cfg)
         check_attention(options.attention, layout)
-        if options.reduce in FUSED_METHODS and cfg.model.weight_dtype != "fp8":
+        if options.reduce == "pallas" and cfg.model.weight_dtype != "fp8":
             raise ConfigError(f"reduce={options.reduce!r} runs the fused FP8 GEMM + all-reduce: "
                               f"needs model.weight_dtype='fp8', got {cfg.model.weight_dtype!r}")
-        self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
+        self.layout = layout
         self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
@@ -262,7 +230,7 @@ class Engine:
         self.param_specs = param_partition_specs(self.abstract_params, rules)
         named = functools.partial(NamedSharding, mesh)
         self.param_shardings = jax.tree.map(named, self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        self.state_specs = state_partition_spec(TP, self.layout)
+        self.state_specs = state_partition_spec(TP)
         self.state_shardings = jax.tree.map(named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
         self.replicated = named(P())
 
@@ -326,15 +294,14 @@ class Engine:
             with jax.named_scope("out_down_reduce"):
                 return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
                                                   out_dtype=jnp.dtype(self.cfg.model.dtype),
-                                                  act_scale=self.cfg.model.activation_scale,
-                                                  join=opts.out_down == "joined")
+                                                  act_scale=self.cfg.model.activation_scale)
 
         activations = block_activations(self.input_quant)
 
         def block_fn(block, layer, x, shared_mod, cache):
             # Ring: attention gets the whole K/V stacks and the layer; the Pallas kernel reads
             # the layer in place, the other impls slice it (an XLA copy).
-            in_place = layout.mode == "ring" and opts.kv_in_place
+            in_place = layout.mode == "ring"
 
             def attend_cached(q, c):
                 """q (rotated, float or QuantizedQ) over the updated cache c: (o, c)."""
@@ -344,7 +311,7 @@ class Engine:
                     # With the attention output's own quantization kernel, the Pallas
                     # attention's padded rows go in as they are (that kernel reads only the
                     # real ones; a slice before it would be a copy).
-                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
+                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, padded_out=self.input_quant == "pallas")
                 return o, c
 
             def attend(q, k, v):
@@ -464,7 +431,7 @@ class Engine:
         layout = self.layout
         del params
         impl = resolve_attention(self.options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, self.cfg.model.head_dim)
-        whole = layout.mode == "ring" and self.options.kv_in_place and impl in PALLAS_IMPLS
+        whole = layout.mode == "ring" and impl in PALLAS_IMPLS
 
         def one_step(_, carry):
             state, checksum = carry

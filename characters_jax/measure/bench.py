@@ -90,7 +90,7 @@ def run_bench(args) -> dict:
     log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache, input_quant=args.input_quant, qkv_prep=args.qkv_prep, out_down=args.out_down))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, input_quant=args.input_quant, qkv_prep=args.qkv_prep))
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -163,11 +163,7 @@ def run_bench(args) -> dict:
         "attention": args.attention,
         "reduce": args.reduce,
         "gemm": gen.engine.gemm,
-        "kv_in_place": not args.kv_slice,
-        "v_cache": args.v_cache,
-        "v_transposed": gen.engine.layout.v_transposed,
         "input_quant": gen.engine.input_quant,
-        "out_down": args.out_down,
         "qkv_prep": gen.engine.qkv_prep,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
@@ -254,21 +250,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
     p.add_argument("--mode", choices=("ring", "launch"), default="ring", help="cache mode")
     p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
-    p.add_argument("--input-quant", choices=("auto", "xla", "pallas", "pallas-norm"), default="auto",
-                   help="FP8 weights with per-row activation scales: each GEMM input's last elementwise step + quantization as one Pallas kernel (pallas), the block input's only (pallas-norm), XLA's fusions (xla), or auto")
+    p.add_argument("--input-quant", choices=("auto", "xla", "pallas"), default="auto",
+                   help="FP8 weights with per-row activation scales: each GEMM input's last elementwise step + quantization as one Pallas kernel (pallas), XLA's fusions (xla), or auto")
     p.add_argument("--qkv-prep", choices=("auto", "xla", "pallas"), default="auto",
                    help="a step's QK-norm, RoPE, Q quantization and K/V cache write as one Pallas kernel (pallas), the model's code (xla), or auto")
-    p.add_argument("--out-down", choices=("joined", "chained"), default="joined",
-                   help="attention-out and MLP-down as one stream-K GEMM (joined, where both run the stacked kernel) or two chained through the epilogue addend")
     p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
                    help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | pallas-exp2 | pallas-qik | cudnn | xla")
-    p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas | pallas-stream-k (the fused kernel on the stream-K schedule)")
+    p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | cudnn | xla")
+    p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas")
     p.add_argument("--gemm", choices=("auto", "xla", "stacked"), default="auto", help="block projections: sliced per layer (xla), read in place from the layer stack (stacked), or auto (stacked for FP8 weights on Hopper)")
-    p.add_argument("--v-cache", choices=("plain", "transposed"), default="plain", help="how the ring FP8 cache stores V: plain (the default, measured faster) = [L, S, H, D] (the Pallas kernel transposes each block); transposed = the kernel's V^T (no transpose per call, a costlier cache write)")
-    p.add_argument("--kv-slice", action="store_true", help="ring cache: slice each layer's K/V out of the stack before attention (an XLA copy) instead of passing the stack (ablation)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
     p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
     p.add_argument("--seed", type=int, default=0)

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the base reference run and the variants")
     p.add_argument("--steps", type=int, default=12, help="steps per run (one latent frame each)")
     p.add_argument("--variants", default="ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute",
-                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, fp8-attention-exp2, fp8-attention-qik, fp8-gemm, stacked-gemm, stacked-gemm-row, stacked-gemm-row-chained, fused-reduce, ppermute, production")
+                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, fp8-gemm, stacked-gemm, stacked-gemm-row, fused-reduce, ppermute, production")
     p.add_argument("--runs", type=int, default=4, help="reference runs: the base run plus R-1 perturbed ones")
     p.add_argument("--blocks", type=int, default=None, help="override model.num_blocks (reduced depth, full width)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the activation dtype")

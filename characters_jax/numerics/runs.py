@@ -34,7 +34,6 @@ class Variant:
     fp8_weights: bool = False
     gemm: str = "xla"
     activation_scale: str | None = None  # FP8 activations per 'tensor' | 'row'; None: the config's
-    out_down: str = "joined"  # EngineOptions.out_down: attention-out + MLP-down in one GEMM, or chained
     description: str = ""
 
 
@@ -46,12 +45,9 @@ VARIANTS: dict[str, Variant] = {
         Variant("ring-bf16", cache_mode="ring", cache_dtype="bf16", description="ring cache, bf16, RoPE at write"),
         Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
         Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
-        Variant("fp8-attention-exp2", cache_mode="ring", cache_dtype="fp8", attention="pallas-exp2", description="ring FP8 cache + the Pallas kernel with P from ex2 + cvt and the eager rescale"),
-        Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache + the Pallas kernel quantizing Q itself"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
         Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
         Variant("stacked-gemm-row", fp8_weights=True, gemm="stacked", activation_scale="row", description="as stacked-gemm, activations quantized with one scale per row (token)"),
-        Variant("stacked-gemm-row-chained", fp8_weights=True, gemm="stacked", activation_scale="row", out_down="chained", description="as stacked-gemm-row, attention-out and MLP-down as two GEMMs (the joined one-loop form's ablation)"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
         Variant("ppermute", reduce="ppermute", description="ppermute ring reduction overlapping the GEMM"),
         Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", gemm="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs (gemm auto), reduce auto"),
@@ -157,7 +153,7 @@ def make_engine(cfg: Config, tp: int, v: Variant, noise_ulp_seed: int | None = N
     from characters_jax.engine.step import Engine, EngineOptions
     from characters_jax.parallel.sharding import make_mesh
 
-    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm, out_down=v.out_down,
+    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm,
                             noise_ulp_seed=noise_ulp_seed)
     return Engine(cfg, make_mesh(tp), options)
 

@@ -10,14 +10,9 @@ first, and the product's row m is scaled by it after the GEMM).  The product is 
 FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
 (no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
 
-The scales are applied after the GEMM: the FP8 dot writes f32 (or bf16, see
-``accumulate_dtype``), then one multiply by x_scale * w_scale (scalar, or [N] per
-channel) and a convert.  A dequantize-pattern form,
-``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` for XLA's GEMM rewriter to fold
-into the cuBLASLt call's A/B scales, was tried and removed: on jax 0.11.2 (H200) at the
-model's shapes XLA materialized the bf16 weight (a multiply fusion over [N, K]) and ran a
-bf16 GEMM instead of an FP8 one, for the GEMM alone as it had earlier inside the scanned
-step (BUILD_NOTES has the history).  So only this post-scaled form exists.
+The scales are applied after the GEMM: the FP8 dot writes f32, then one multiply by
+x_scale * w_scale (scalar, or [N] per channel) and a convert (the post-scaled form;
+BUILD_NOTES, "tried and rejected", has the dequantize-pattern form).
 
 Shapes and dtypes:
   ``Fp8Weight.values``  [N, K] float8_e4m3fn
@@ -184,7 +179,7 @@ def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "tensor") -> jax.Array:
+def linear(x, w, out_dtype=None, *, act_scale: str = "tensor") -> jax.Array:
     """y = x @ w.T for x [..., K] and w an ``Fp8Weight`` or a float [N, K] array.
 
     Args:
@@ -192,8 +187,6 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
         then out_dtype is required).
       w: ``Fp8Weight`` (values [N, K] e4m3, scale [] or [N]) or a float [N, K].
       out_dtype: dtype of the result (default x.dtype).
-      accumulate_dtype: dtype the FP8 GEMM writes before the scales are applied
-        (default f32; bf16 halves the bytes written).  Unused for float weights.
       act_scale: how float x is quantized for FP8 weights: 'tensor' | 'row'.
     Returns:
       [..., N] in ``out_dtype``.
@@ -212,7 +205,7 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
     if w.stacked:
         return _stacked_linear(x, w, out_dtype, act_scale=act_scale)
     xq = quantize(x, act_scale)
-    y = fp8_dot(xq.values, w.values, accumulate_dtype or jnp.float32)
+    y = fp8_dot(xq.values, w.values, jnp.float32)
     return (y.astype(jnp.float32) * _row_broadcast(xq.row_scales()) * w.scale).astype(out_dtype)
 
 
