@@ -61,11 +61,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_gemm_allreduce import device_sm_count
+from pallas_kernels import device
 from pallas_kernels.mgpu_sync import fence_proxy_async_global
+from pallas_kernels.numerics import FP8 as F8, FP8_MAX as F8_MAX
 
-F8 = jnp.float8_e4m3fn
-F8_MAX = 448.0
 LOG2E = math.log2(math.e)
 _MASK_BIAS = -1e30  # finite: a fully masked row gives zeros, never NaN
 _P_LOG2_SCALE = 8.0  # P is quantized as 256 * exp2(s - m)
@@ -588,7 +587,7 @@ def stream_k_ctas(n_tiles: int, nb: int, stages: int, num_sms: int | None) -> in
     resident at once (the owner CTAs wait for others); fewer when a CTA would get under
     2 * stages blocks (the pipeline's fill would dominate)."""
     units = n_tiles * nb
-    sms = num_sms or device_sm_count()
+    sms = num_sms or device.sm_count()
     return max(1, min(sms, units // max(2 * stages, 1)))
 
 
@@ -1051,17 +1050,6 @@ def attention_pallas(q, k, v, k_scale, v_scale, valid, layer=None, *, padded_out
 # --------------------------------------------------------------------------------------
 
 
-def is_hopper() -> bool:
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if dev.platform != "gpu":
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    return cc is not None and str(cc).startswith("9")
-
-
 def resolve_impl(impl: str, kv_dtype, head_dim: int) -> str:
     """The concrete implementation that :func:`attention` runs for ``impl``:
     'auto' is 'pallas' on an NVIDIA Hopper GPU for FP8 K/V and head_dim 128, else
@@ -1070,7 +1058,7 @@ def resolve_impl(impl: str, kv_dtype, head_dim: int) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    ok = jnp.dtype(kv_dtype) == F8 and head_dim == 128 and is_hopper()
+    ok = jnp.dtype(kv_dtype) == F8 and head_dim == 128 and device.is_hopper()
     return "pallas" if ok else "reference"
 
 

@@ -56,39 +56,21 @@ Shapes and dtypes (per device):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import device
+from pallas_kernels.gemm_common import Config, fits, pad_row_scales, smem_transforms
+from pallas_kernels.numerics import quantize_activation
+
 FP8 = jnp.float8_e4m3fn
 # Kernel names as profiler traces show them (``characters_jax.measure.profile`` classifies
 # by them): the fused GEMM + all-reduce, and the same kernel on one device (a plain GEMM).
 KERNEL_NAME = "fp8_gemm_allreduce"
 GEMM_KERNEL_NAME = "fp8_gemm"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tiling of the FP8 GEMM kernels.
-
-    A block computes a (tile_m, 2 * tile_n) output tile with two compute
-    warpgroups side by side along N, streaming K in steps of tile_k through
-    ``stages`` shared-memory buffers; epilogues write (epi_m, epi_n) sub-tiles.
-    grid_minor_n, grid_tile_width: the order in which the fused kernel's persistent
-    grid walks the output tiles (``plgpu.planar_snake``).
-    """
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 128
-    stages: int = 3
-    epi_m: int = 64
-    epi_n: int = 64
-    grid_minor_n: bool = True
-    grid_tile_width: int = 4
 
 
 DEFAULT_CONFIG = Config()
@@ -175,39 +157,8 @@ def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp
 
 
 def is_supported() -> bool:
-    """The fused kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
-    if jax.default_backend() != "gpu":
-        return False
-    kind = getattr(jax.devices()[0], "compute_capability", "0")
-    try:
-        return float(kind) >= 9.0
-    except ValueError:
-        return False
-
-
-def device_sm_count() -> int:
-    """SMs of the first device (the persistent grid's size); 132 (H100/H200 SXM) if unknown."""
-    return getattr(jax.devices()[0], "core_count", 132)
-
-
-def fits(k: int, n: int, config: Config = Config()) -> bool:
-    """Whether a [*, K] x [N, K] product tiles with ``config`` (M is padded)."""
-    return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
-
-
-def smem_transforms(config: Config, out_dtype):
-    """Shared-memory transforms of the GEMM kernels' tiles: (for the FP8 operand tiles
-    [*, tile_k], for the output sub-tiles [epi_m, epi_n] of out_dtype), each a tiling to
-    the swizzle's width then the swizzle."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = plgpu.find_swizzle(config.tile_k * 8)  # FP8: one byte per element
-    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(config.epi_n * out_bytes * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
-                      plgpu.SwizzleTransform(out_swizzle))
-    return in_transforms, out_transforms
+    """The fused kernel needs NVIDIA Hopper (wgmma, TMA): sm_90."""
+    return device.is_hopper()
 
 
 def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config,
@@ -250,7 +201,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config,
                          f"{addend.shape} {addend.dtype}")
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     if num_sms is None:
-        num_sms = device_sm_count()
+        num_sms = device.sm_count()
     in_transforms, out_transforms = smem_transforms(c, out_dtype)
     has_addend = addend is not None
     epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
@@ -416,8 +367,6 @@ def _kernel_scales(x, x_scale, w_fp8, w_scale, layer):
     """(x [M, K] e4m3, scale, rows, per_layer) as the kernels take them: x quantized per
     tensor when no x_scale is given; rows: per-row x's [R] float32 scales or None; scale:
     x's * w's, or with per-row x w's alone (a stack's [L] as it is: per_layer)."""
-    from characters_jax.parallel.fp8_linear import quantize_activation
-
     per_layer = layer is not None and jnp.ndim(w_scale) == 1
     if jnp.ndim(w_scale) != 0 and not (per_layer and w_scale.shape == (w_fp8.shape[0],)):
         raise NotImplementedError("the fused kernel takes a per-tensor weight scale (or, for "
@@ -507,15 +456,3 @@ def _pad_rows(x, addend, multiple: int, out_dtype):
     if addend is not None:
         addend = jnp.pad(addend.astype(out_dtype), pad)
     return x, addend
-
-
-def pad_row_scales(row_scale, rows: int, tile_m: int):
-    """Per-row scales [R] (1 <= R <= rows) for x's ``rows`` rows as the kernels' bounded TMA
-    copy of tile_m of them takes them: as they are when R >= min(tile_m, rows) (a tile's
-    rows past R read zeros), else zero-padded to ``rows`` (a copy larger than its whole
-    array is refused). Both GEMM kernels' launchers apply it."""
-    if not (row_scale.ndim == 1 and 1 <= row_scale.shape[0] <= rows):
-        raise ValueError(f"row_scale must be [R], 1 <= R <= {rows}, got {row_scale.shape}")
-    r = row_scale.shape[0]
-    row_scale = row_scale.astype(jnp.float32)
-    return row_scale if r >= min(tile_m, rows) else jnp.pad(row_scale, (0, rows - r))

@@ -50,11 +50,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import fp8_gemm_allreduce as _fa
+from pallas_kernels import device
 from pallas_kernels import fp8_gemm_stream_k as _sk
+from pallas_kernels.gemm_common import Config
+from pallas_kernels.gemm_common import fits as _tiles
+from pallas_kernels.numerics import FP8
 
-FP8 = jnp.float8_e4m3fn
-Config = _fa.Config
 Product = _sk.Product
 # 128 x 256 output tiles with 4 stages (the scale as a scalar leaves room for them), and
 # 128 x 128 with 6 where N does not tile by 256 (the MLP-up projection at tp=4: N = 8064).
@@ -65,20 +66,20 @@ INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps test
 
 
 def is_supported() -> bool:
-    """The kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
-    return _fa.is_supported()
+    """The kernel needs NVIDIA Hopper (wgmma, TMA): sm_90."""
+    return device.is_hopper()
 
 
 def fits(n: int, k: int, config: Config | None = None) -> bool:
     """Whether a [*, K] x [N, K] product tiles with ``config`` (default: ``pick_config``), any M."""
-    return _fa.fits(k, n, config or pick_config(n, k))
+    return _tiles(k, n, config or pick_config(n, k))
 
 
 def pick_config(n: int, k: int) -> Config:
     """The tiling for an [M, K] x [N, K] product: ``STREAM_K_CONFIG``, or ``NARROW_CONFIG``
     where N does not tile by 256 (the stream-K schedule balances any tile count, so M does
     not matter)."""
-    return STREAM_K_CONFIG if _fa.fits(k, n, STREAM_K_CONFIG) else NARROW_CONFIG
+    return STREAM_K_CONFIG if _tiles(k, n, STREAM_K_CONFIG) else NARROW_CONFIG
 
 
 def _reference_product(x_fp8, w_stacked, layer, scale, row_scale=None):
@@ -177,7 +178,7 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     # A per-layer stack of scales goes in whole: the kernel reads the layer's.
     scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
-    sms = num_sms or (INTERPRET_NUM_SMS if interpret else _fa.device_sm_count())
+    sms = num_sms or (INTERPRET_NUM_SMS if interpret else device.sm_count())
     teams = _sk.teams_for(m8, n, config, sms)
     out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
                      config=config, teams=teams, interpret=interpret, row_scale=row_scale,

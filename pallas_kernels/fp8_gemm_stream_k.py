@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_gemm_allreduce import pad_row_scales, smem_transforms
+from pallas_kernels.gemm_common import pad_row_scales, smem_transforms
 from pallas_kernels.mgpu_sync import fence_proxy_async_global
 
 FP8 = jnp.float8_e4m3fn
@@ -149,7 +149,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
     [Mx, N].
 
-    config: the tiling (``fp8_gemm_allreduce.Config``: tile_m, tile_n per compute
+    config: the tiling (``gemm_common.Config``: tile_m, tile_n per compute
     warpgroup, tile_k, stages, epi_m, epi_n; the grid order does not apply).
     interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
     one after another: there the last block runs first and the semaphore operations are

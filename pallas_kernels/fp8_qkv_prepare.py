@@ -41,8 +41,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import (F8, F8_MAX, LOG2E, QuantizedQ, attention_scales,
-                                          padded_queries, quantize_q)
+from pallas_kernels import device
+from pallas_kernels.fp8_attention import LOG2E, QuantizedQ, attention_scales, padded_queries, quantize_q
+from pallas_kernels.numerics import FP8 as F8, FP8_MAX as F8_MAX, quantize_per_head, rms_norm, rotate
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 KERNEL_NAME = "fp8_qkv_prepare"
@@ -54,9 +55,7 @@ HEADS_PER_PROGRAM = 32
 
 def is_supported() -> bool:
     """The Triton kernel's e4m3 conversion needs an NVIDIA GPU of compute capability 8.9+."""
-    from pallas_kernels.fp8_row_quantize import is_supported as triton_fp8
-
-    return triton_fp8()
+    return device.has_fp8_conversion()
 
 
 def _split(qkv, t, heads, head_dim):
@@ -66,14 +65,11 @@ def _split(qkv, t, heads, head_dim):
 
 def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
               offset, *, t: int, heads: int, eps: float, any_valid=None):
-    """The model's code: QK-norm (``dit.rms_norm`` times the gain in qkv's dtype), RoPE
-    (``rope.rotate``), ``fp8_attention.quantize_q``, ``kv_cache.quantize`` and the
-    in-place update of the cache rows [layer, offset : offset + t]; with any_valid, the
-    attention's scales (``fp8_attention.attention_scales``)."""
-    from characters_jax.cache.kv_cache import quantize
-    from characters_jax.model.dit import rms_norm
-    from characters_jax.model.rope import rotate
-
+    """The model's code: QK-norm (``numerics.rms_norm`` times the gain in qkv's dtype),
+    RoPE (``numerics.rotate``), ``fp8_attention.quantize_q``, the cache's
+    ``numerics.quantize_per_head`` and the in-place update of the cache rows
+    [layer, offset : offset + t]; with any_valid, the attention's scales
+    (``fp8_attention.attention_scales``)."""
     if k_scale.ndim == 2:  # the [L, H] stacks: this layer's
         k_scale, v_scale = k_scale[layer], v_scale[layer]
     d = cache_k.shape[-1]
@@ -81,8 +77,8 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
     q = rotate(rms_norm(q, eps) * q_gain.astype(qkv.dtype), (cos, sin))
     k = rotate(rms_norm(k, eps) * k_gain.astype(qkv.dtype), (cos, sin))
     start = (layer, offset, jnp.int32(0), jnp.int32(0))
-    cache_k = jax.lax.dynamic_update_slice(cache_k, quantize(k, k_scale)[None], start)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, quantize(v, v_scale)[None], start)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, quantize_per_head(k, k_scale)[None], start)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, quantize_per_head(v, v_scale)[None], start)
     q8 = quantize_q(q)
     if any_valid is not None:
         q8 = dataclasses.replace(q8, scales=attention_scales(q8.row_scale, k_scale, v_scale,

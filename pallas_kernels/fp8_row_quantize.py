@@ -11,13 +11,13 @@ pad costs nothing) and one scale per row (0 for the padding rows, which the GEMM
 scale to 0). Three prologues (``PROLOGUES``):
 
   'norm'  the block input: h = rms_norm(x) * (1 + scale) + shift (adaLN), the norm rounded
-          to x.dtype, h rounded to x.dtype (the model's ``modulated_norm``);
-  'gelu'  the MLP hidden: h = gelu(y) in float32, rounded to y.dtype (the model's
-          ``mlp_hidden``), read straight from the up GEMM's (row-padded) output;
+          to x.dtype, h rounded to x.dtype (``numerics.modulated_norm``, the model's);
+  'gelu'  the MLP hidden: h = gelu(y) in float32, rounded to y.dtype (``numerics.mlp_hidden``,
+          the model's), read straight from the up GEMM's (row-padded) output;
   'none'  h = x (e.g. the attention output).
 
 then scale = max(amax(h), 1e-12) / 448 and values = clip(h * (1 / scale)) -> e4m3, as
-``fp8_linear.quantize_activation(per_row=True)``. ``reference`` is that model code.
+``numerics.quantize_activation(per_row=True)``. ``reference`` is that model code.
 
 Layout: a program handles ``rows_per_program`` rows; a row is split into chunks of
 ``chunk`` lanes (a power of two; the last chunk masked), all loaded up front and kept in
@@ -38,7 +38,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from characters_jax.parallel.fp8_linear import AMAX_FLOOR, FP8_DTYPE as FP8, FP8_MAX
+from pallas_kernels import device
+from pallas_kernels.numerics import (AMAX_FLOOR, FP8, FP8_MAX, gelu_tanh, mlp_hidden,
+                                     modulated_norm, quantize_activation)
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 PROLOGUES = ("norm", "gelu", "none")
@@ -77,17 +79,10 @@ DEFAULT_LAYOUT = Layout()
 
 def is_supported() -> bool:
     """The Triton kernel's e4m3 conversion needs an NVIDIA GPU of compute capability 8.9+."""
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 8.9
-    except ValueError:
-        return False
+    return device.has_fp8_conversion()
 
 
 def _prologue_ref(prologue: str, x, shift, scale, eps):
-    from characters_jax.model.dit import mlp_hidden, modulated_norm
-
     if prologue == "norm":
         return modulated_norm(x, shift, scale, eps)
     if prologue == "gelu":
@@ -99,8 +94,6 @@ def reference(x, shift=None, scale=None, *, eps: float = 0.0, rows: int | None =
               rows_out: int | None = None, prologue: str = "norm"):
     """The model's math on the first ``rows`` (default all) rows of x: (values [rows_out, D]
     e4m3, row_scale [rows_out] f32), rows past ``rows`` zero."""
-    from characters_jax.parallel.fp8_linear import quantize_activation
-
     m = rows or x.shape[0]
     rows_out = rows_out or m
     q, s = quantize_activation(_prologue_ref(prologue, x[:m], shift, scale, eps), per_row=True)
@@ -112,8 +105,6 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
             prologue: str, eps: float):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
-
-    from characters_jax.model.dit import gelu_tanh
 
     if prologue == "norm":
         shift_ref, scale_ref, q_ref, s_ref = refs

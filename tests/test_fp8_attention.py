@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import device
 from pallas_kernels import fp8_attention as fa
 
 
@@ -119,8 +120,8 @@ def test_auto_on_cpu_is_the_reference_and_jits():
     valid = _valid(198, masked_prefix=5)
     out = jax.jit(lambda *a: fa.attention(*a, impl="auto"))(q, k, v, ks, vs, valid)
     ref = fa.attention_reference(q, k, v, ks, vs, valid)
-    assert fa.resolve_impl("auto", fa.F8, 128) == ("pallas" if fa.is_hopper() else "reference")
-    if not fa.is_hopper():
+    assert fa.resolve_impl("auto", fa.F8, 128) == ("pallas" if device.is_hopper() else "reference")
+    if not device.is_hopper():
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
     with pytest.raises(ValueError, match="unknown attention impl"):
         fa.resolve_impl("pallas-exp2", fa.F8, 128)
@@ -451,7 +452,7 @@ def test_in_kernel_v_transpose_addressing_emulated():
 # ----------------------------------------------------------------------------------------
 
 def _require_hopper():
-    if jax.default_backend() != "gpu" or not fa.is_hopper():
+    if jax.default_backend() != "gpu" or not device.is_hopper():
         pytest.skip("needs an NVIDIA Hopper GPU")
 
 

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 
 from characters_jax.config import Config
 from characters_jax.model.rope import apply_rope, rope_angles, rotate
+from pallas_kernels.numerics import FP8, FP8_MAX
+from pallas_kernels.numerics import quantize_per_head as quantize
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
 V_HEADROOM = 4.0
 _MIN_SCALE = 1e-12
 
@@ -124,12 +124,6 @@ def empty_cache(layout: CacheLayout) -> KVCache:
     ones = jnp.ones((layout.num_blocks, layout.num_heads), jnp.float32)
     return KVCache(k=k, v=jnp.zeros(layout.shape(), layout.storage_dtype), k_scale=ones,
                    v_scale=ones)
-
-
-def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x: [T, H, D] float; scale: [H] float32 -> [T, H, D] float8_e4m3fn, saturating."""
-    y = x.astype(jnp.float32) / scale[None, :, None]
-    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def dequantize(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -27,11 +27,13 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import Config, ConfigError
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
+from characters_jax.model.params import abstract_model, init_state, param_partition_specs
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
 from characters_jax.parallel.row_parallel import STACKED_ROW_ALIGN, row_parallel_matmul_reduce
-from characters_jax.parallel.sharding import TP, ShardingRules
-from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper, slot_mask
+from characters_jax.parallel.sharding import TP, ShardingRules, named_shardings
+from pallas_kernels import device
+from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, slot_mask
 from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
 
@@ -154,7 +156,7 @@ def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
     missing = [what for what, ok in (
         (f"an FP8 cache (cache.dtype is {layout.dtype!r})", layout.quantized),
         (f"head_dim 128 (model.head_dim is {layout.head_dim})", layout.head_dim == 128),
-        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", is_hopper()))
+        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", device.is_hopper()))
         if not ok]
     if missing:
         raise ConfigError(f"attention {attention!r} needs " + ", ".join(missing)
@@ -168,29 +170,6 @@ def resolve_gemm(gemm: str, weight_dtype: str) -> str:
     from pallas_kernels import fp8_gemm_stacked
 
     return "stacked" if weight_dtype == "fp8" and fp8_gemm_stacked.is_supported() else "xla"
-
-
-def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
-    """PartitionSpecs for the model state from each Variable's `logical_axes`.
-
-    Block weights are stacked over a leading 'layers' axis that the metadata does not name.
-    """
-
-    def spec(path, var):
-        axes = tuple(var.get_metadata().get("logical_axes", (None,) * var.get_value().ndim))
-        if path and getattr(path[0], "key", path[0]) == "blocks":
-            axes = ("layers",) + axes
-        if len(axes) != var.get_value().ndim:
-            raise ValueError(f"{jax.tree_util.keystr(path)}: logical axes {axes} do not match shape {var.get_value().shape}")
-        return rules.spec(axes)
-
-    return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def count_params(cfg: Config) -> int:
-    """Exact parameter count, from the abstract model (no memory allocated)."""
-    abstract = nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
 
 
 def step_flops(cfg: Config) -> float:
@@ -225,14 +204,12 @@ class Engine:
         self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
-        abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
-        self.graphdef, self.abstract_params = nnx.split(abstract)
+        self.graphdef, self.abstract_params = abstract_model(m)
         self.param_specs = param_partition_specs(self.abstract_params, rules)
-        named = functools.partial(NamedSharding, mesh)
-        self.param_shardings = jax.tree.map(named, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+        self.param_shardings = named_shardings(mesh, self.param_specs)
         self.state_specs = state_partition_spec(TP)
-        self.state_shardings = jax.tree.map(named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
-        self.replicated = named(P())
+        self.state_shardings = named_shardings(mesh, self.state_specs)
+        self.replicated = NamedSharding(mesh, P())
 
         self.init_params = jax.jit(self._init_params, out_shardings=self.param_shardings)
         self.init_state = jax.jit(lambda: empty_state(self.layout), out_shardings=self.state_shardings)
@@ -266,8 +243,7 @@ class Engine:
 
     # ---- construction helpers -------------------------------------------------------------
     def _init_params(self, key):
-        model = DiT(self.cfg.model, rngs=nnx.Rngs(params=key))
-        return nnx.state(model)
+        return init_state(self.cfg.model, key)
 
     def _sharded(self, fn, extra_in_specs: tuple, out_specs):
         """shard_map(fn) over (params, state, *extra args), keeping the argument names."""

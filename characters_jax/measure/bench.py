@@ -79,7 +79,8 @@ def run_bench(args) -> dict:
 
     from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.engine.step import EngineOptions, count_params, step_flops
+    from characters_jax.engine.step import EngineOptions, step_flops
+    from characters_jax.model.params import count_params
 
     cfg = load_config(args.config)
     cache = {"mode": args.mode}
@@ -87,7 +88,7 @@ def run_bench(args) -> dict:
         cache["dtype"] = args.cache_dtype
     cfg = cfg.replace(cache=cache, model={"activation_scale": args.activation_scale} if args.activation_scale else {})
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
-    log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
+    log(f"[bench] {cfg.name}: {count_params(cfg.model) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
     gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, input_quant=args.input_quant, qkv_prep=args.qkv_prep))
@@ -167,7 +168,7 @@ def run_bench(args) -> dict:
         "qkv_prep": gen.engine.qkv_prep,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
-        "params_billion": count_params(cfg) / 1e9,
+        "params_billion": count_params(cfg.model) / 1e9,
         "init_s": init_s,
         "compile_s": compile_s,
         "steps": args.steps,

@@ -66,9 +66,9 @@ class Resolved:
 
 def resolve(variant: Variant, tp: int) -> Resolved:
     """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU."""
-    from pallas_kernels import fp8_attention, fp8_gemm_allreduce
+    from pallas_kernels import device, fp8_attention, fp8_gemm_allreduce
 
-    if variant.attention in fp8_attention.PALLAS_IMPLS and not fp8_attention.is_hopper():
+    if variant.attention in fp8_attention.PALLAS_IMPLS and not device.is_hopper():
         return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
                         f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
     if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():

@@ -28,9 +28,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
-AMAX_FLOOR = 1e-12  # keeps the scale of an all-zero tensor (or row) finite
+from pallas_kernels import fp8_gemm_stacked
+from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
+from pallas_kernels.numerics import (AMAX_FLOOR, FP8 as FP8_DTYPE, FP8_MAX, quantize_activation,
+                                     row_broadcast as _row_broadcast, scale_from_amax, to_fp8)
+
 # How activations are scaled for FP8: one scale per tensor, or one per row (token).
 ACT_SCALES = ("tensor", "row")
 
@@ -120,24 +122,10 @@ class Fp8Activation:
         return (self.values.astype(jnp.float32) * _row_broadcast(self.row_scales())).astype(dtype)
 
 
-def _row_broadcast(scale: jax.Array) -> jax.Array:
-    """[] stays []; per-row [...] -> [..., 1], to multiply [..., K] or [..., N]."""
-    return scale[..., None] if scale.ndim else scale
-
-
 def check_act_scale(act_scale: str) -> str:
     if act_scale not in ACT_SCALES:
         raise ValueError(f"unknown activation scale {act_scale!r}; expected one of {ACT_SCALES}")
     return act_scale
-
-
-def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    return jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / FP8_MAX
-
-
-def _to_fp8(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
-    scaled = x.astype(jnp.float32) * inv_scale
-    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
@@ -146,20 +134,9 @@ def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
         raise ValueError(f"expected a [N, K] weight, got shape {w.shape}")
     absw = jnp.abs(w.astype(jnp.float32))
     amax = jnp.max(absw, axis=1) if per_channel else jnp.max(absw)
-    scale = _scale_from_amax(amax)
+    scale = scale_from_amax(amax)
     inv = 1.0 / (scale[:, None] if per_channel else scale)
-    return Fp8Weight(values=_to_fp8(w, inv), scale=scale)
-
-
-def quantize_activation(x: jax.Array, per_row: bool = False) -> tuple[jax.Array, jax.Array]:
-    """FP8 quantization on the device: x [..., K] -> (x_fp8 [..., K], scale f32), the scale
-    [] per tensor or [...] per row (the maximum over K of each row).
-
-    The absolute maximum is reduced on the device; nothing is read by the host.
-    """
-    amax = jnp.max(jnp.abs(x), axis=-1) if per_row else jnp.max(jnp.abs(x))
-    scale = _scale_from_amax(amax)
-    return _to_fp8(x, _row_broadcast(1.0 / scale)), scale
+    return Fp8Weight(values=to_fp8(w, inv), scale=scale)
 
 
 def quantize(x, act_scale: str = "tensor") -> Fp8Activation:
@@ -224,9 +201,6 @@ def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "t
                     lead=None) -> jax.Array:
     """x [..., K] @ (block `w.layer` of the stack).T (+ lead's product) (+ addend [..., N]),
     the weight read in place."""
-    from pallas_kernels import fp8_gemm_stacked
-    from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
-
     if w.per_channel or (lead is not None and lead[1].per_channel):
         raise ValueError("the stacked FP8 GEMM takes per-tensor scales")
     if fp8_gemm_stacked.is_supported() and not (
@@ -280,8 +254,6 @@ def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str 
 
 def stacked_gemm_runs_kernel(w: Fp8Weight) -> bool:
     """Whether ``stacked_linear`` with this (stacked) weight runs the Pallas kernel here."""
-    from pallas_kernels import fp8_gemm_stacked
-
     n, k = w.values.shape[-2:]
     return (w.values.dtype == FP8_DTYPE and fp8_gemm_stacked.fits(n, k)
             and fp8_gemm_stacked.is_supported())
