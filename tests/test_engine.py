@@ -12,7 +12,7 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import load_config
 from characters_jax.measure.bench import reset_steps
 from characters_jax.engine.generator import DiTGenerator
-from characters_jax.engine.step import EngineOptions
+from characters_jax.engine.options import EngineOptions
 
 CFG = load_config("tiny")
 STEPS = 100
@@ -207,14 +207,21 @@ def test_in_place_scan_keeps_projection_weights_whole():
 
 
 def test_noise_ulp_nudge_moves_each_element_by_one_ulp():
-    from characters_jax.engine.step import nudge_noise_ulp
+    """The numerics harness's noise transform moves every nonzero noise element by one
+    float32 ulp, and the engine applies a noise transform to every step's noise."""
+    from characters_jax.engine.step import Engine
+    from characters_jax.numerics.runs import noise_ulp_nudge, nudge_noise_ulp
+    from characters_jax.parallel.sharding import make_mesh
 
     x = jax.random.normal(jax.random.key(0), (1000,), jnp.float32).at[3].set(0.0)
     y = nudge_noise_ulp(x, jax.random.key(1))
     d = np.abs(np.asarray(y).view(np.int32).astype(np.int64) - np.asarray(x).view(np.int32).astype(np.int64))
     assert d[3] == 0 and (np.delete(d, 3) == 1).all()
-    a = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32"), 3)
-    b = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32", options=EngineOptions(noise_ulp_seed=5)), 3)
+    cfg = CFG.replace(cache={"dtype": "float32"})
+    gen = DiTGenerator(cfg, tp=1)
+    a = run_session(gen, 3)
+    gen.engine = Engine(cfg, make_mesh(1), noise_transform=noise_ulp_nudge(5))
+    b = run_session(gen, 3)
     assert 0 < rel(b, a) < 1e-5
 
 

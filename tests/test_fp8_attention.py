@@ -17,6 +17,7 @@ import pytest
 
 from pallas_kernels import device
 from pallas_kernels import fp8_attention as fa
+from pallas_kernels.fp8_attention import inline, operands, schedule
 
 
 def _inputs(seed, tq, s, h, d, *, q_dtype=jnp.bfloat16, fp8=True, outliers=True):
@@ -166,7 +167,7 @@ def test_slot_mask_made_once_leaves_no_mask_work_in_the_call():
 
 
 def test_key_permutation_is_a_permutation_within_16():
-    perm = fa._key_permutation(128)
+    perm = inline.key_permutation(128)
     assert sorted(perm.tolist()) == list(range(128))
     assert (perm // 16 == np.arange(128) // 16).all()
     # position 4t + 2h + v of a group holds key 8h + 2t + v
@@ -181,7 +182,7 @@ def test_prepared_q_parts_scales_and_bias():
     seed, (tq, s, h, d) = 5, (40, 300, 2, 128)
     q, _, _, ks, vs = _inputs(seed, tq, s, h, d)
     valid = _valid(s, masked_prefix=7)
-    q8, sc, bias = jax.jit(fa._prepare_q_scales_bias, static_argnums=(4,))(q, ks, vs, valid, 128)
+    q8, sc, bias = jax.jit(operands.prepare_operands, static_argnums=(4,))(q, ks, vs, valid, 128)
     assert len(q8) == 2 and all(p.shape == (tq, h, d) for p in q8)
     assert sc.shape == (h, 2, 128) and bias.shape == (384,)
     assert not np.asarray(sc[:, :, tq:]).any()
@@ -202,12 +203,12 @@ def test_kernel_algorithm_emulated_on_cpu():
     seed, (tq, s, h, d, bkv) = 6, (200, 300, 2, 128, 128)
     q, k, v, ks, vs = _inputs(seed, tq, s, h, d)
     valid = _valid(s, sink=150, masked_prefix=20, ring_filled=100)
-    q8, sc, bias = fa._prepare_q_scales_bias(q, ks, vs, valid, bkv)
+    q8, sc, bias = operands.prepare_operands(q, ks, vs, valid, bkv)
     qq = sum(np.asarray(p.astype(jnp.float32)) for p in q8)
     nb = bias.shape[0] // bkv
     kp = np.pad(np.asarray(k.astype(jnp.float32)), ((0, nb * bkv - s), (0, 0), (0, 0)))
     vp = np.pad(np.asarray(v.astype(jnp.float32)), ((0, nb * bkv - s), (0, 0), (0, 0)))
-    perm, bias = fa._key_permutation(bkv), np.asarray(bias)
+    perm, bias = inline.key_permutation(bkv), np.asarray(bias)
     masked = np.asarray(fa.block_masked_flags(valid, bkv))
     np.testing.assert_array_equal(masked, [0, 1, 1])  # one unmasked block, two masked
     out = np.zeros((tq, h, d), np.float32)
@@ -225,10 +226,10 @@ def test_kernel_algorithm_emulated_on_cpu():
             else:
                 x, xa = raw * c[:, None] + bias[None, blk], np.float32(1.0)
                 m_blk = x.max(1)
-            mn = np.where(m_blk > m + fa._LAZY_RESCALE, np.maximum(m, m_blk), m)
-            p8 = np.asarray(fa.p_codes_reference(
+            mn = np.where(m_blk > m + inline.LAZY_RESCALE, np.maximum(m, m_blk), m)
+            p8 = np.asarray(inline.p_codes_reference(
                 jnp.asarray(x, jnp.float32), jnp.asarray(xa, jnp.float32),
-                jnp.asarray((fa._P_LOG2_SCALE - mn)[:, None], jnp.float32)))
+                jnp.asarray((inline.P_LOG2_SCALE - mn)[:, None], jnp.float32)))
             assert np.isfinite(p8).all() and p8.max() <= 448
             al = np.exp2(m - mn)
             acc, l, m = acc * al[:, None], l * al + p8.sum(1), mn
@@ -242,7 +243,7 @@ def test_kernel_algorithm_emulated_on_cpu():
 def _stream_k_segments(n_tiles, nb, num_ctas):
     """The kernel's per-CTA segments: [(cta, tile, jb, je)], in each CTA's order."""
     units = n_tiles * nb
-    r = fa.stream_k_ranges(units, num_ctas)
+    r = schedule.stream_k_ranges(units, num_ctas)
     segs = []
     for c in range(num_ctas):
         u0, u1 = int(r[c]), int(r[c + 1])
@@ -294,7 +295,7 @@ def test_stream_k_schedule_and_merge_emulated(n_tiles, nb, num_ctas):
             else:
                 owner = (c, acc, m, l)
         c, acc, m, l = owner
-        last = fa.stream_k_cta_of(t * nb + nb - 1, units, num_ctas)
+        last = schedule.stream_k_cta_of(t * nb + nb - 1, units, num_ctas)
         assert sorted(parts) == list(range(c + 1, last + 1))
         for c2 in range(c + 1, last + 1):
             o, lse = parts[c2]
@@ -310,10 +311,10 @@ def test_stream_k_schedule_and_merge_emulated(n_tiles, nb, num_ctas):
 
 
 def test_stream_k_ctas_fill_the_chip_and_stay_one_wave():
-    assert fa.stream_k_ctas(108, 46, 2, 132) == 132
-    assert fa.stream_k_ctas(1, 3, 2, 132) == 1  # too little work: one CTA
-    assert fa.stream_k_ctas(2, 46, 2, 132) == 23  # >= 2 x stages blocks each
-    r = fa.stream_k_ranges(108 * 46, 132)
+    assert schedule.stream_k_ctas(108, 46, 2, 132) == 132
+    assert schedule.stream_k_ctas(1, 3, 2, 132) == 1  # too little work: one CTA
+    assert schedule.stream_k_ctas(2, 46, 2, 132) == 23  # >= 2 x stages blocks each
+    r = schedule.stream_k_ranges(108 * 46, 132)
     assert np.diff(r).max() - np.diff(r).min() <= 1  # balanced to one KV block
 
 
@@ -374,12 +375,12 @@ def test_p_codes_are_e4m3_powers_of_two():
     e4m3 subnormals' reach."""
     y = np.concatenate([np.linspace(-14.0, 8.0, 8801), [-1e30, -3e4]]).astype(np.float32)
     one = jnp.ones_like(jnp.asarray(y))
-    p = np.asarray(fa.p_codes_reference(jnp.asarray(y), one, 0 * one))
+    p = np.asarray(inline.p_codes_reference(jnp.asarray(y), one, 0 * one))
     assert np.isfinite(p).all() and p.max() == 256.0 and p[-2:].max() == 0.0
     order = np.argsort(y)
     assert (np.diff(p[order]) >= 0).all()
     ints = np.arange(-6, 9).astype(np.float32)
-    pi = np.asarray(fa.p_codes_reference(jnp.asarray(ints), jnp.ones(15), jnp.zeros(15)))
+    pi = np.asarray(inline.p_codes_reference(jnp.asarray(ints), jnp.ones(15), jnp.zeros(15)))
     np.testing.assert_array_equal(pi, 2.0 ** ints)
     normal = (y >= -6) & (y <= 8)
     err = np.abs(np.log2(p[normal]) - y[normal])
@@ -388,27 +389,27 @@ def test_p_codes_are_e4m3_powers_of_two():
 
 
 def test_p_codes_packing_emulated():
-    """_p_codes_8bit_a's per-register arithmetic in numpy: fma(v, 128, magic) leaves
+    """inline.p_codes_8bit_a's per-register arithmetic in numpy: fma(v, 128, magic) leaves
     round(128 v) in the low byte of the f32 bits, and the three prmt selectors pack four
     such words into one register, element k in byte k (the order of the 8-bit register
-    grouping, :func:`fa._key_permutation`)."""
+    grouping, :func:`inline.key_permutation`)."""
     rng = np.random.default_rng(3)
     v = np.concatenate([rng.uniform(0, 126 / 128, 4000), np.arange(127) / 128,
                         (np.arange(126) + 0.5) / 128]).astype(np.float32)
-    u = v * np.float32(128) + np.float32(fa._CODE_MAGIC)  # x 128 is exact: = the fma
+    u = v * np.float32(128) + np.float32(inline.CODE_MAGIC)  # x 128 is exact: = the fma
     bits = u.view(np.uint32).astype(np.int64)
     np.testing.assert_array_equal(bits & 0xFF, np.round(v.astype(np.float64) * 128))
-    assert ((bits >> 8) == int(np.array(fa._CODE_MAGIC, np.float32).view(np.uint32)) >> 8).all()
+    assert ((bits >> 8) == int(np.array(inline.CODE_MAGIC, np.float32).view(np.uint32)) >> 8).all()
     w = bits[: len(bits) // 4 * 4].reshape(-1, 4)
     for a, b, c, d in w[:500]:
-        lo, hi = _prmt(a, b, fa._PACK_PAIR_SEL), _prmt(c, d, fa._PACK_PAIR_SEL)
-        word = _prmt(lo, hi, fa._PACK_QUAD_SEL)
+        lo, hi = _prmt(a, b, inline.PACK_PAIR_SEL), _prmt(c, d, inline.PACK_PAIR_SEL)
+        word = _prmt(lo, hi, inline.PACK_QUAD_SEL)
         assert [(word >> (8 * k)) & 0xFF for k in range(4)] == [a & 0xFF, b & 0xFF,
                                                               c & 0xFF, d & 0xFF]
 
 
 def test_in_kernel_v_transpose_addressing_emulated():
-    """Runs _transpose_v_block's address plan (the kernel's own code, on ints) and byte
+    """Runs inline.transpose_v_block's address plan (the kernel's own code, on ints) and byte
     transposes: every V^T byte is written exactly once with the key-permuted transpose
     (after undoing the 128-byte swizzle), and no shared access has a bank conflict: the
     16-byte loads hit 8 distinct 16-byte bank groups per quarter warp, the 32-bit stores
@@ -420,7 +421,7 @@ def test_in_kernel_v_transpose_addressing_emulated():
     word = lambda off: sum(int(flat[off + b]) << (8 * b) for b in range(4))
     for it in range(2):
         for warp in range(4):
-            plans = [fa._transpose_plan(fa._IntOps, warp, lane, it) for lane in range(32)]
+            plans = [inline.transpose_plan(inline.IntOps, warp, lane, it) for lane in range(32)]
             n_loads, n_stores = len(plans[0][0]), sum(map(len, plans[0][1]))
             for i in range(n_loads):
                 offs = [p_[0][i] for p_ in plans]
@@ -433,7 +434,7 @@ def test_in_kernel_v_transpose_addressing_emulated():
             for loads, stores in plans:
                 quads = [[word(off + 4 * m) for off in loads] for m in range(4)]
                 for quad, offs in zip(quads, stores):
-                    for o, off in zip(fa._transpose_4x4(_prmt, *quad), offs):
+                    for o, off in zip(inline.transpose_4x4(_prmt, *quad), offs):
                         for b in range(4):
                             assert vt_bytes[off + b] == -1
                             vt_bytes[off + b] = (o >> (8 * b)) & 0xFF
@@ -443,7 +444,7 @@ def test_in_kernel_v_transpose_addressing_emulated():
     for dd in range(128):
         for cc in range(128):
             vt[dd, cc] = vt_bytes[dd * 128 + (((cc // 16) ^ (dd % 8)) * 16) + cc % 16]
-    perm = fa._key_permutation(128)
+    perm = inline.key_permutation(128)
     np.testing.assert_array_equal(vt, raw[perm].T)
 
 

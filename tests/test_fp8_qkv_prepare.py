@@ -148,20 +148,21 @@ def test_attention_takes_the_scales_q_carries():
     """The attention's operand preparation uses a QuantizedQ's scales as they are (no XLA
     op of its own), equal to what it makes without them; a wrong shape is refused."""
     from pallas_kernels import fp8_attention as fa
+    from pallas_kernels.fp8_attention import operands
 
     q = jax.random.normal(jax.random.key(_seed()), (37, 2, 128))
     ks, vs = jnp.array([0.03, 0.02]), jnp.array([0.01, 0.02])
     valid = jnp.arange(256) < 200
     q8 = fa.quantize_q(q)
-    made = fa._prepare_q_scales_bias(q8, ks, vs, valid, 128)[1]
+    made = operands.prepare_operands(q8, ks, vs, valid, 128)[1]
     carried = dataclasses.replace(q8, scales=fa.attention_scales(q8.row_scale, ks, vs, 1.0, 128))
     np.testing.assert_array_equal(np.asarray(made), np.asarray(carried.scales))
-    jaxpr = jax.make_jaxpr(lambda s: fa._prepare_q_scales_bias(
+    jaxpr = jax.make_jaxpr(lambda s: operands.prepare_operands(
         dataclasses.replace(q8, scales=s), ks, vs, fa.slot_mask(valid), 128)[1])(
             carried.scales)
     assert jaxpr.jaxpr.outvars[0] is jaxpr.jaxpr.invars[0]  # passed through untouched
     with pytest.raises(ValueError, match="scales"):
-        fa._prepare_q_scales_bias(dataclasses.replace(q8, scales=carried.scales[:, :, :64]),
+        operands.prepare_operands(dataclasses.replace(q8, scales=carried.scales[:, :, :64]),
                                   ks, vs, valid, 128)
 
 
@@ -253,7 +254,7 @@ def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch, engine_
     place of the GPU; the reference attention, allowed to take its Q for the test): the
     latents of the model's code, to the e4m3 split of Q. Prefill keeps the model's code."""
     from characters_jax.config import ConfigError, load_config
-    from characters_jax.engine import step as st
+    from characters_jax.engine import options as st
     from characters_jax.engine.generator import DiTGenerator
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})

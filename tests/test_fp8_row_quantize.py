@@ -159,7 +159,7 @@ def test_block_with_the_kernels_as_its_inputs(monkeypatch):
 
 def test_engine_input_quant_resolution():
     from characters_jax.config import ConfigError, ModelConfig
-    from characters_jax.engine.step import EngineOptions, resolve_input_quant
+    from characters_jax.engine.options import EngineOptions, resolve_input_quant
 
     row = ModelConfig(weight_dtype="fp8", activation_scale="row")
     assert resolve_input_quant("auto", row) == ("pallas" if rq.is_supported() else "xla")
@@ -276,7 +276,7 @@ def test_engine_step_with_the_kernel_matches_xla(monkeypatch, engine_latents):
     XLA's per-row quantization, to FP8 rounding (the kernel rounds the norm to bf16 as the
     program says; XLA's CPU code does too, so they agree closely)."""
     from characters_jax.config import load_config
-    from characters_jax.engine.step import EngineOptions
+    from characters_jax.engine.options import EngineOptions
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16",
                                              "activation_scale": "row"})

@@ -12,7 +12,7 @@ PACKAGES = ("characters_jax", "pallas_kernels")
 # What pallas_kernels may import besides itself: jax, numpy and the standard library's
 # small helpers.
 KERNEL_IMPORTS = {"jax", "jaxlib", "numpy", "__future__", "dataclasses", "functools", "math",
-                  "operator", "typing"}
+                  "operator", "types", "typing"}
 # The collective kernel: the single-device kernels must not import it.
 COLLECTIVE_KERNELS = {"pallas_kernels.fp8_gemm_allreduce"}
 # The one package cycle outside this tree's engine, model and kernels: decoder.service

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from characters_jax.config import Config
-from characters_jax.engine.step import Engine, EngineOptions
+from characters_jax.engine.options import EngineOptions
+from characters_jax.engine.step import Engine
 from characters_jax.parallel.sharding import make_mesh
 
 

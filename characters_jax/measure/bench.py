@@ -2,7 +2,7 @@
 
 Compiles the step once (compile time reported), warms up, then times each step to its
 completion: p50/p90/p99/max, the position-reset steps separately, fps, effective TFLOP/s.
-Cache upkeep is measured by timing the step's cache operations alone (`Engine.cache_upkeep`,
+Cache upkeep is measured by timing the step's cache operations alone (`measure.upkeep`,
 the same write / re-rotation / re-quantization / shift code the step runs) in the same
 process, as a share of the step. The bench syncs the host after each step to time it; the
 step itself never does.
@@ -79,7 +79,8 @@ def run_bench(args) -> dict:
 
     from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.engine.step import EngineOptions, step_flops
+    from characters_jax.engine.options import EngineOptions
+    from characters_jax.measure.upkeep import cache_upkeep, step_flops, upkeep_inputs
     from characters_jax.model.params import count_params
 
     cfg = load_config(args.config)
@@ -126,9 +127,9 @@ def run_bench(args) -> dict:
     gen.state = state
 
     # Cache operations alone, same shapes, same process.
-    new_kv = engine.upkeep_inputs()
+    new_kv = upkeep_inputs(engine)
     per_call = max(1, args.upkeep_steps_per_call)
-    up_exe = engine.cache_upkeep(per_call).lower(gen.params, state, new_kv).compile()
+    up_exe = cache_upkeep(engine, per_call).lower(gen.params, state, new_kv).compile()
     up_times = []
     for s in range(args.warmup + max(5, args.steps // per_call)):
         t0 = time.perf_counter()

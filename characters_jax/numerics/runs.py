@@ -123,6 +123,21 @@ def nudge_ulp(x: np.ndarray, dtype, seed: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def nudge_noise_ulp(x: jax.Array, key) -> jax.Array:
+    """Moves each nonzero float32 element one ulp up or down in magnitude (random sign)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    step = jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 1, -1).astype(jnp.int32)
+    return jnp.where(x != 0, jax.lax.bitcast_convert_type(bits + step, jnp.float32), x)
+
+
+def noise_ulp_nudge(seed: int):
+    """The engine's noise transform (``Engine(noise_transform=...)``) that moves every step's
+    noise by one float32 ulp, a fresh random sign per element and step from ``seed``."""
+    def transform(x, step):
+        return nudge_noise_ulp(x, jax.random.fold_in(jax.random.key(seed), step))
+    return transform
+
+
 def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
     """The same inputs with the image latent and the audio features nudged by one ulp (the
     in-step noise is nudged by the engine: `make_engine(..., noise_ulp_seed=seed)`)."""
@@ -150,12 +165,15 @@ def variant_config(ref_cfg: Config, v: Variant) -> Config:
 
 
 def make_engine(cfg: Config, tp: int, v: Variant, noise_ulp_seed: int | None = None):
-    from characters_jax.engine.step import Engine, EngineOptions
+    """The variant's engine; noise_ulp_seed: every step's noise nudged by one ulp
+    (``noise_ulp_nudge``), a run-to-run perturbation of the reference."""
+    from characters_jax.engine.options import EngineOptions
+    from characters_jax.engine.step import Engine
     from characters_jax.parallel.sharding import make_mesh
 
-    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm,
-                            noise_ulp_seed=noise_ulp_seed)
-    return Engine(cfg, make_mesh(tp), options)
+    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm)
+    nudge = None if noise_ulp_seed is None else noise_ulp_nudge(noise_ulp_seed)
+    return Engine(cfg, make_mesh(tp), options, noise_transform=nudge)
 
 
 def _block_weight_key(key: str) -> bool:
