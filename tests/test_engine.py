@@ -12,7 +12,6 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import load_config
 from characters_jax.measure.bench import reset_steps
 from characters_jax.engine.generator import DiTGenerator
-from characters_jax.engine.options import EngineOptions
 
 CFG = load_config("tiny")
 STEPS = 100
@@ -71,7 +70,7 @@ def test_tensor_parallel_sizes_agree():
     """tp=2 (psum) and tp=4 (the ppermute ring) give tp=1's frames to float32 rounding.
     (psum at tp=4: test_row_parallel's psum-4 cases and the numerics tests' base run.)"""
     outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2)}
-    ppermute = run_session(DiTGenerator(CFG, tp=4, cache_dtype="float32", options=EngineOptions(reduce="ppermute")), 12)
+    ppermute = run_session(DiTGenerator(CFG.replace(engine={"reduce": "ppermute"}), tp=4, cache_dtype="float32"), 12)
     assert rel(outs[2], outs[1]) <= 1e-5
     assert rel(ppermute, outs[1]) <= 1e-5
 
@@ -165,28 +164,29 @@ def test_fused_reduction_by_name_needs_fp8_weights():
 
     assert CFG.model.weight_dtype != "fp8"
     with pytest.raises(ConfigError, match="weight_dtype"):
-        DiTGenerator(CFG, tp=2, options=EngineOptions(reduce="pallas"))
+        DiTGenerator(CFG.replace(engine={"reduce": "pallas"}), tp=2)
 
 
 def test_stacked_gemm_reads_the_same_weights():
-    """gemm='stacked' (projection weights read in place from the layer stack) computes the
-    same step as the per-layer slices of the scan; FP8 weights, bf16 activations. With
+    """kernels='gemm' (projection weights read in place from the layer stack; the stacked
+    GEMM's reference off Hopper) computes the same step as the per-layer slices of the
+    scan; FP8 weights, bf16 activations. With
     activations quantized per row (model.activation_scale='row') the step moves, by about
     FP8's rounding."""
     cfg = CFG.replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})
 
-    def run(options, cfg=cfg):
-        gen = DiTGenerator(cfg, tp=2, options=options)
+    def run(kernels, cfg=cfg):
+        gen = DiTGenerator(cfg.replace(engine={"kernels": kernels}), tp=2)
         rs = np.random.RandomState(0)
         gen.start_session(rs.randn(CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels).astype(np.float32), list(b"hi"), seed=1)
         audio = rs.randn(6, CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim).astype(np.float32)
         return np.stack([np.asarray(gen.step(jnp.asarray(a))) for a in audio])
 
-    sliced = run(EngineOptions())
-    stacked = run(EngineOptions(gemm="stacked"))
+    sliced = run("none")
+    stacked = run("gemm")
     assert np.isfinite(stacked).all()
     assert rel(stacked, sliced) <= 1e-3
-    by_row = run(EngineOptions(gemm="stacked"), cfg.replace(model={"activation_scale": "row"}))
+    by_row = run("gemm", cfg.replace(model={"activation_scale": "row"}))
     assert np.isfinite(by_row).all()
     print(f"per-row vs per-tensor activation scales: {rel(by_row, stacked):.2e}")
     assert 1e-4 < rel(by_row, stacked) < 5e-2
@@ -202,8 +202,12 @@ def test_in_place_scan_keeps_projection_weights_whole():
     names = {tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(whole)}
     assert names == {(proj, leaf) for proj in ("qkv", "out", "up", "down") for leaf in ("w", "w_scale")}
     assert all(v.get_value().shape[0] == CFG.model.num_blocks for _, v in nnx.to_flat_state(sliced))
-    with pytest.raises(ValueError, match="gemm"):
-        EngineOptions(gemm="cublas")
+    from characters_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.kernels"):
+        CFG.replace(engine={"kernels": "cublas"})
+    with pytest.raises(ConfigError, match="model.weight_dtype='fp8'"):
+        DiTGenerator(CFG.replace(engine={"kernels": "gemm"}), tp=1)
 
 
 def test_noise_ulp_nudge_moves_each_element_by_one_ulp():

@@ -250,7 +250,7 @@ def test_kernel_on_gpu_matches_the_programs_roundings(heads):
 
 
 def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch, engine_latents):
-    """qkv_prep='pallas' in the engine's steps at tp=2 (the kernel under the interpreter in
+    """The 'qkv' kernel in the engine's steps at tp=2 (the kernel under the interpreter in
     place of the GPU; the reference attention, allowed to take its Q for the test): the
     latents of the model's code, to the e4m3 split of Q. Prefill keeps the model's code."""
     from characters_jax.config import ConfigError, load_config
@@ -258,18 +258,18 @@ def test_engine_steps_with_the_kernel_match_the_models_code(monkeypatch, engine_
     from characters_jax.engine.generator import DiTGenerator
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})
-    options = lambda mode: st.EngineOptions(qkv_prep=mode, attention="reference")  # noqa: E731
+    with_qkv = lambda kernels: cfg.replace(engine={"kernels": kernels, "attention": "reference"})  # noqa: E731
     with pytest.raises(ConfigError, match="attention"):
-        DiTGenerator(cfg, tp=2, options=options("pallas"))
-    gen, base = engine_latents(cfg, options("xla"))
-    assert gen.engine.qkv_prep == "xla"
+        DiTGenerator(with_qkv("qkv"), tp=2)
+    gen, base = engine_latents(with_qkv("none"))
+    assert not gen.engine.options.qkv
     monkeypatch.setattr(st, "QKV_PREP_ATTENTION", ("reference",))
     monkeypatch.setattr(qp, "is_supported", lambda: True)
     real, traced = qp.prepare_qkv, []
     monkeypatch.setattr(qp, "prepare_qkv", lambda *a, **k: traced.append(k["t"]) or real(
         *a, **{**k, "impl": "interpret"}))
-    gen, fused = engine_latents(cfg, options("pallas"))
-    assert gen.engine.qkv_prep == "pallas"
+    gen, fused = engine_latents(with_qkv("qkv"))
+    assert gen.engine.options.qkv
     assert traced and set(traced) == {cfg.video.tokens_per_frame + cfg.model.audio_tokens_per_step}
     assert np.isfinite(fused).all()
     diff = np.linalg.norm(fused - base) / np.linalg.norm(base)

@@ -150,28 +150,30 @@ def test_block_with_the_kernels_as_its_inputs(monkeypatch):
     real = rq._pallas
     monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real(*a, **{**k, "interpret": True}))
     base, _ = block(x, shared, attend, reduce)
-    fused, _ = block(x, shared, attend, reduce, activations=block_activations("pallas"))
+    fused, _ = block(x, shared, attend, reduce, activations=block_activations(True))
     assert fused.shape == base.shape == (t, 64)
     np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
                                rtol=2e-2, atol=2e-2)
     assert np.asarray(fused - x, np.float32).any()
 
 
-def test_engine_input_quant_resolution():
-    from characters_jax.config import ConfigError, ModelConfig
-    from characters_jax.engine.options import EngineOptions, resolve_input_quant
+def test_engine_kernel_resolution():
+    """engine.kernels: 'auto' takes the 'quant' kernels where they apply (FP8 weights with
+    per-row activation scales) and run (an NVIDIA GPU with the e4m3 conversion); named
+    where they cannot, a ConfigError says what is missing; 'none' turns them off."""
+    from characters_jax.config import ConfigError, load_config
+    from characters_jax.engine.options import resolve_engine
 
-    row = ModelConfig(weight_dtype="fp8", activation_scale="row")
-    assert resolve_input_quant("auto", row) == ("pallas" if rq.is_supported() else "xla")
-    assert resolve_input_quant("auto", ModelConfig(weight_dtype="fp8")) == "xla"
-    assert resolve_input_quant("xla", row) == "xla"
+    tiny = load_config("tiny")
+    row = tiny.replace(model={"weight_dtype": "fp8", "activation_scale": "row"})
+    assert resolve_engine(row).quant == rq.is_supported()
+    assert not resolve_engine(tiny.replace(model={"weight_dtype": "fp8"})).quant
+    assert not resolve_engine(row.replace(engine={"kernels": "none"})).quant
     with pytest.raises(ConfigError, match="activation_scale"):
-        resolve_input_quant("pallas", ModelConfig(weight_dtype="fp8"))
+        resolve_engine(tiny.replace(model={"weight_dtype": "fp8"}, engine={"kernels": "quant"}))
     if not rq.is_supported():
         with pytest.raises(ConfigError, match="compute capability"):
-            resolve_input_quant("pallas", row)
-    with pytest.raises(ValueError, match="input_quant"):
-        EngineOptions(input_quant="triton")
+            resolve_engine(row.replace(engine={"kernels": "quant"}))
 
 
 def _host_emulation(x, shift, scale, eps=EPS):
@@ -270,23 +272,22 @@ def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
 
 
 def test_engine_step_with_the_kernel_matches_xla(monkeypatch, engine_latents):
-    """The engine's input_quant='pallas' path (all three kernels), prefill and steps at tp=2
+    """The engine's 'quant' kernels (all three), prefill and steps at tp=2
     (the kernels under the interpreter in place of the GPU, inside the step's shard_map,
     their padded FP8 rows through the row-parallel reduction): the same latents as
     XLA's per-row quantization, to FP8 rounding (the kernel rounds the norm to bf16 as the
     program says; XLA's CPU code does too, so they agree closely)."""
     from characters_jax.config import load_config
-    from characters_jax.engine.options import EngineOptions
 
     cfg = load_config("tiny").replace(model={"weight_dtype": "fp8", "dtype": "bfloat16",
                                              "activation_scale": "row"})
-    gen, xla = engine_latents(cfg, EngineOptions(input_quant="xla"))
-    assert gen.engine.input_quant == "xla"
+    gen, xla = engine_latents(cfg.replace(engine={"kernels": "none"}))
+    assert not gen.engine.options.quant
     monkeypatch.setattr(rq, "is_supported", lambda: True)
     real_pallas = rq._pallas
     monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real_pallas(*a, **{**k, "interpret": True}))
-    gen, fused = engine_latents(cfg, EngineOptions(input_quant="pallas"))
-    assert gen.engine.input_quant == "pallas"
+    gen, fused = engine_latents(cfg.replace(engine={"kernels": "quant"}))
+    assert gen.engine.options.quant
     assert np.isfinite(fused).all()
     diff = np.linalg.norm(fused - xla) / np.linalg.norm(xla)
     print(f"kernel vs XLA block input: {diff:.2e}")

@@ -24,9 +24,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from characters_jax.cache import kv_cache as kvc
-from characters_jax.config import Config, ConfigError
-from characters_jax.engine.options import (EngineOptions, check_attention, resolve_gemm,
-                                           resolve_input_quant, resolve_qkv_prep)
+from characters_jax.config import Config
+from characters_jax.engine.options import resolve_engine
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
 from characters_jax.model.params import abstract_model, init_state, param_partition_specs
@@ -38,11 +37,11 @@ from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
 from pallas_kernels.fp8_attention import attention, slot_mask
 
 
-def block_activations(input_quant: str) -> BlockActivations:
-    """The blocks' GEMM inputs for a resolved ``input_quant``: the model's defaults ('xla'),
-    or FP8 from the fused kernels, rows padded to the stacked GEMM's multiple of 8 by the
-    kernels themselves (padding rows zero, scale 0)."""
-    if input_quant != "pallas":
+def block_activations(quant_kernels: bool) -> BlockActivations:
+    """The blocks' GEMM inputs: the model's defaults (XLA's fusions), or with the 'quant'
+    kernels FP8 from them, rows padded to the stacked GEMM's multiple of 8 by the kernels
+    themselves (padding rows zero, scale 0)."""
+    if not quant_kernels:
         return DEFAULT_ACTIVATIONS
 
     def quantized(x, rows, **kw):
@@ -61,24 +60,18 @@ def block_activations(input_quant: str) -> BlockActivations:
 
 
 class Engine:
-    """Compiled programs for one config on one mesh. Holds no session state."""
+    """Compiled programs for one config on one mesh, as its [engine] table resolves here
+    (``options``: ``engine.options.ResolvedEngine``). Holds no session state."""
 
-    def __init__(self, cfg: Config, mesh, options: EngineOptions = EngineOptions(),
-                 rules: ShardingRules = ShardingRules(), noise_transform=None):
+    def __init__(self, cfg: Config, mesh, rules: ShardingRules = ShardingRules(),
+                 noise_transform=None):
         """noise_transform: None, or f(noise [T_img, C] float32, step [] int32) -> noise, applied
         to every step's noise before the passes (e.g. a run-to-run perturbation)."""
         cfg.validate_tp(mesh.size)
-        self.cfg, self.mesh, self.options = cfg, mesh, options
+        self.cfg, self.mesh = cfg, mesh
+        self.options = resolve_engine(cfg)
         self.noise_transform = noise_transform
-        self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
-        self.input_quant = resolve_input_quant(options.input_quant, cfg.model)
-        layout = kvc.CacheLayout.from_config(cfg)
-        check_attention(options.attention, layout)
-        if options.reduce == "pallas" and cfg.model.weight_dtype != "fp8":
-            raise ConfigError(f"reduce={options.reduce!r} runs the fused FP8 GEMM + all-reduce: "
-                              f"needs model.weight_dtype='fp8', got {cfg.model.weight_dtype!r}")
-        self.layout = layout
-        self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
+        self.layout = kvc.CacheLayout.from_config(cfg)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
         self.graphdef, self.abstract_params = abstract_model(m)
@@ -136,7 +129,7 @@ class Engine:
                                                   out_dtype=jnp.dtype(self.cfg.model.dtype),
                                                   act_scale=self.cfg.model.activation_scale)
 
-        activations = block_activations(self.input_quant)
+        activations = block_activations(opts.quant)
 
         def block_fn(block, layer, x, shared_mod, cache):
             # Ring: attention gets the whole K/V stacks and the layer; the Pallas kernel reads
@@ -151,7 +144,7 @@ class Engine:
                     # With the attention output's own quantization kernel, the Pallas
                     # attention's padded rows go in as they are (that kernel reads only the
                     # real ones; a slice before it would be a copy).
-                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, padded_out=self.input_quant == "pallas")
+                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, padded_out=opts.quant)
                 return o, c
 
             def attend(q, k, v):
@@ -174,7 +167,7 @@ class Engine:
                     c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
                 return attend_cached(q8, c)
 
-            fused_qkv = self.qkv_prep == "pallas" and token_valid is None  # steps, not prefill
+            fused_qkv = opts.qkv and token_valid is None  # steps, not prefill
             return block(x, shared_mod, attend, reduce, layer=layer, activations=activations,
                          attend_qkv=attend_qkv if fused_qkv else None)
 
@@ -182,7 +175,7 @@ class Engine:
 
     def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
         temb = model.time_embedding(sigma)
-        in_place = self.gemm == "stacked"
+        in_place = self.options.gemm
         h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn, in_place=in_place)
         return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
 

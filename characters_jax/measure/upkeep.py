@@ -19,7 +19,6 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import Config
 from characters_jax.model.rope import rope_angles
 from pallas_kernels.fp8_attention import PALLAS_IMPLS
-from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
 
 
 def step_flops(cfg: Config) -> float:
@@ -63,10 +62,7 @@ def _upkeep_local(engine, params, state, new_kv, *, steps: int):
     """
     layout, freqs = engine.layout, engine.freqs
     del params
-    impl = resolve_attention(engine.options.attention,
-                             kvc.FP8 if layout.quantized else layout.storage_dtype,
-                             engine.cfg.model.head_dim)
-    whole = layout.mode == "ring" and impl in PALLAS_IMPLS
+    whole = layout.mode == "ring" and engine.options.attention in PALLAS_IMPLS
 
     def one_step(_, carry):
         state, checksum = carry
