@@ -20,10 +20,6 @@ F8 = jnp.float8_e4m3fn
 EPS = 1e-6
 
 
-def _seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
-
-
 def _problem(seed, t=21, ty=24, heads=3, d=128, layers=2, slots=64, offset=30, layer=1):
     ks = jax.random.split(jax.random.key(seed), 7)
     qkv = (jax.random.normal(ks[0], (ty, heads * 3 * d)) * 2).astype(jnp.bfloat16)
@@ -100,7 +96,7 @@ def test_kernel_in_interpreter_matches_the_programs_roundings(monkeypatch, heads
     """3 heads in one program, or in groups of 2 (the second group half masked); the
     layer's scales given as they are, or as [L, H] stacks read at the layer."""
     monkeypatch.setattr(qp, "HEADS_PER_PROGRAM", heads_per_program)
-    seed = _seed()
+    seed = 201
     args, kw = _problem(seed)
     out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="interpret", **kw))(*args)
     _check(out, args, kw, seed)
@@ -122,7 +118,7 @@ def test_attention_scales_written_with_q(impl):
     than one per token) zero; Q's parts and the caches as without it."""
     from pallas_kernels.fp8_attention import attention_scales
 
-    seed = _seed()
+    seed = 202
     args, kw = _problem(seed)
     layer = int(args[9])
     stacks = [jnp.full((2, 3), 9.0).at[layer].set(a) for a in args[5:7]]
@@ -150,7 +146,7 @@ def test_attention_takes_the_scales_q_carries():
     from pallas_kernels import fp8_attention as fa
     from pallas_kernels.fp8_attention import operands
 
-    q = jax.random.normal(jax.random.key(_seed()), (37, 2, 128))
+    q = jax.random.normal(jax.random.key(203), (37, 2, 128))
     ks, vs = jnp.array([0.03, 0.02]), jnp.array([0.01, 0.02])
     valid = jnp.arange(256) < 200
     q8 = fa.quantize_q(q)
@@ -169,7 +165,7 @@ def test_attention_takes_the_scales_q_carries():
 def test_reference_is_the_models_code_close_to_the_kernel():
     """The reference (the model's and cache's own functions) agrees with the kernel but for
     the bf16 roundings XLA's CPU code may skip (excess precision)."""
-    seed = _seed()
+    seed = 204
     args, kw = _problem(seed, heads=2, offset=0, layer=0)
     ref = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="reference", **kw))(*args)
     out = jax.jit(lambda *a: qp.prepare_qkv(*a, impl="interpret", **kw))(*args)
@@ -238,7 +234,7 @@ def test_kernel_on_gpu_matches_the_programs_roundings(heads):
     """tp=4's 18 heads (one group) and tp=1's 72 (three)."""
     if not qp.is_supported():
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
-    seed = _seed()
+    seed = 205
     args, kw = _problem(seed, t=757, ty=760, heads=heads, layers=3, slots=1600, offset=700,
                         layer=2)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()

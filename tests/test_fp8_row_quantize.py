@@ -18,10 +18,6 @@ from pallas_kernels import fp8_row_quantize as rq
 EPS = 1e-6
 
 
-def _seed():
-    return int(np.random.SeedSequence().entropy % 2**31)
-
-
 def _inputs(seed, m, d, dtype=jnp.bfloat16):
     """x [m, d] with rows spanning 10^-3 .. 10 in size, adaLN shift/scale [d]."""
     kx, ks, kg = jax.random.split(jax.random.key(seed), 3)
@@ -53,7 +49,7 @@ LAYOUT_IDS = ["default", "one_chunk", "two_rows"]
 def test_kernel_in_interpreter_matches_reference(m, d, rows_out, layout):
     """Under the Pallas interpreter: the reference's values, padding rows zero with scale
     0, D not a power of two (masked lanes)."""
-    seed = _seed()
+    seed = 301
     x, shift, scale = _inputs(seed, m, d)
     q, s = jax.jit(lambda x, a, b: rq.row_quantize(
         x, a, b, prologue="norm", eps=EPS, rows_out=rows_out, impl="interpret", layout=layout))(x, shift, scale)
@@ -67,7 +63,7 @@ def test_kernel_in_interpreter_matches_reference(m, d, rows_out, layout):
 def test_gelu_and_plain_prologues_in_interpreter(prologue, layout):
     """The MLP hidden (GELU of up's output, whose rows past M are padding and not read:
     here NaN) and a plain activation, against the model's math."""
-    seed = _seed()
+    seed = 302
     m, d, rows_y, rows_out = 37, 200, 40, 40
     y = (jax.random.normal(jax.random.key(seed), (rows_y, d)) * 3).astype(jnp.bfloat16)
     y = y.at[m:].set(jnp.nan)
@@ -139,9 +135,9 @@ def test_block_with_the_kernels_as_its_inputs(monkeypatch):
 
     cfg = ModelConfig(d_model=64, num_heads=2, head_dim=16, mlp_dim=128, weight_dtype="fp8",
                       dtype="bfloat16", activation_scale="row")
-    block = Block(cfg, rngs=nnx.Rngs(_seed()))
+    block = Block(cfg, rngs=nnx.Rngs(303))
     t = 21
-    x = jax.random.normal(jax.random.key(_seed()), (t, 64)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(304), (t, 64)).astype(jnp.bfloat16)
     shared = jax.random.normal(jax.random.key(3), (3, 64)) * 0.1
     attend = lambda q, k, v: (q + k + v, None)  # noqa: E731
     reduce = lambda pairs: sum(  # noqa: E731
@@ -195,7 +191,7 @@ def _host_emulation(x, shift, scale, eps=EPS):
 def test_host_emulation_is_the_reference():
     """The host emulation the GPU test trusts agrees with the CPU reference (bit for bit but
     for rare one-step roundings of float32 vs float64)."""
-    x, shift, scale = _inputs(_seed(), 33, 200)
+    x, shift, scale = _inputs(305, 33, 200)
     q, s = rq.reference(x, shift, scale, eps=EPS)
     hq, hs = _host_emulation(x, shift, scale)
     assert (np.abs(np.asarray(s) / hs - 1) > 1e-6).mean() < 0.1
@@ -215,7 +211,7 @@ def test_kernel_on_gpu_matches_reference(m, d, layout):
     scales differ by up to ~1%; that is checked loosely."""
     if not rq.is_supported():
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
-    seed = _seed()
+    seed = 306
     x, shift, scale = _inputs(seed, m, d)
     jax.device_put(jnp.full((64 << 20,), jnp.nan, jnp.float32)).block_until_ready()
     rows_out = -(-m // 8) * 8
@@ -246,7 +242,7 @@ def test_gelu_and_plain_prologues_on_gpu(prologue, d, layout):
 
     if not rq.is_supported():
         pytest.skip("needs an NVIDIA GPU of compute capability 8.9+")
-    seed = _seed()
+    seed = 307
     m, rows_out = 757, 760
     y = (jax.random.normal(jax.random.key(seed), (rows_out, d)) * 3).astype(jnp.bfloat16)
     y = y.at[m:].set(jnp.nan)
