@@ -616,9 +616,9 @@ def test_lead_product_on_gpu_inside_scan(with_rows, k1, k):
     for layer in range(layers):
         want = (_exact(x8, w8, layer, scales[layer]) * r[:, None]
                 + _exact(lx8, lw8, layer, lscales[layer]) * lr[:, None])
-        # One K loop of K1 + K steps: at tp=2 (20,736) the error measured 4.3-5.1e-3 on the
-        # first GPU run (single GEMMs: 2.5-3.5e-3; the FP8 wgmma's accumulation over more
-        # steps onto lead's larger sum). Bounded by the chained form's on the same data;
+        # One K loop of K1 + K steps: at tp=2 (20,736) the error measured 4.3-5.1e-3 on an
+        # H200 (single GEMMs: 2.5-3.5e-3; the FP8 wgmma's accumulation over more steps
+        # onto lead's larger sum). Bounded by the chained form's on the same data;
         # a wrong or missing tile, or an unscaled lead, gives >= 5e-2.
         err, err_chained = _rel_err(out[layer], want), _rel_err(chained[layer], want)
         print(f"layer {layer}: joined {err:.2e}, chained {err_chained:.2e}")

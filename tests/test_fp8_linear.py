@@ -149,10 +149,8 @@ def test_fp8_gemm_keeps_the_weight_fp8_on_gpu(m):
     an XLA GEMM fusion) is fed the f8e4m3fn weight. A dequantize-pattern scale form
     (convert(f8)->bf16 * scalar on both operands) failed this test on the H200 (jax
     0.11.2): XLA materialized a bf16 [N, K] weight and ran a bf16 cuBLASLt GEMM, as it
-    had inside the scanned step (BUILD_NOTES issue 6 run A); that form was removed. A
-    first version of this test at K=512, N=1024 failed on the H200 for a shape reason:
-    XLA picked a Triton GEMM fusion there that multiplies the scale into the FP8 tiles
-    itself."""
+    did inside the scanned step (BUILD_NOTES). The shape matters: at K=512, N=1024 XLA
+    picks a Triton GEMM fusion that multiplies the scale into the FP8 tiles itself."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     k, n = 4608, 9216

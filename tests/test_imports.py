@@ -9,8 +9,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("characters_jax", "pallas_kernels")
-# What pallas_kernels may import besides itself: jax, numpy and the standard library's
-# small helpers.
+# What pallas_kernels may import besides itself: jax, numpy and a few small modules of
+# the standard library.
 KERNEL_IMPORTS = {"jax", "jaxlib", "numpy", "__future__", "dataclasses", "functools", "math",
                   "operator", "types", "typing"}
 # The collective kernel: the single-device kernels must not import it.

@@ -97,7 +97,7 @@ class Engine:
             donate_argnames=("state",),
         )
 
-    # ---- construction helpers -------------------------------------------------------------
+    # ---- construction -------------------------------------------------------------
     def _init_params(self, key):
         return init_state(self.cfg.model, key)
 
@@ -253,7 +253,7 @@ class Engine:
             new_state = self.end_frame(state, cache, valid, slot_positions)
         return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
 
-    # ---- host-side helpers (no device sync) ----------------------------------------------------
+    # ---- host-side methods (no device sync) ----------------------------------------------------
     def prompt_bucket(self, n: int) -> int:
         for b in self.cfg.cache.prompt_buckets:
             if n <= b:

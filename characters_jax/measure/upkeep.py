@@ -3,7 +3,7 @@ step's matmul FLOPs.
 
 ``cache_upkeep`` compiles, for an ``Engine``, one program that runs ``steps`` steps of
 what the step does to the cache (the same write / re-rotation / re-quantization / shift
-code, through the engine's own helpers), without the model: timed in the process that
+code, through the engine's own methods), without the model: timed in the process that
 times the step, its share is the cache upkeep's.
 """
 

@@ -73,10 +73,10 @@ def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
     'auto' picks the fused kernel ('pallas') for up to ``AUTO_FUSED_MAX_PAIRS``
     FP8 pairs with per-tensor scales and tileable shapes on NVIDIA Hopper, where a
     single pair measured faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM +
-    all-reduce (issue 5)"); 'psum' everywhere else.  The model's two-pair call
-    (attention-out as the addend of MLP-down) is included: with the entry handshake
-    its numerics equal FP8 GEMMs + psum (numerics GPU run 3), and the block's o + down
-    took 358 us against 402 us for stacked GEMMs + psum (H200 x 2; BUILD_NOTES.md).
+    all-reduce"); 'psum' everywhere else.  The model's two-pair call (attention-out as
+    the addend of MLP-down) is included: with the entry handshake its numerics equal
+    FP8 GEMMs + psum (the numerics harness), and the block's o + down took 358 us
+    against 402 us for stacked GEMMs + psum (H200 x 2; BUILD_NOTES.md).
     """
     if method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
