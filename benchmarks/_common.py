@@ -88,6 +88,56 @@ class Shapes:
         return 4 * self.tokens * self.slots * self.head_dim * self.heads
 
 
+def parser(doc: str, tp_default: int, tp_help: str, smoke_help: str):
+    """The arguments every kernel benchmark takes: --config, --tp, --repeats, --seed,
+    --out, --smoke (its CPU check)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--config", default="characters-57b", help="config name or path")
+    p.add_argument("--tp", type=type(tp_default), default=tp_default, help=tp_help)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats, median taken")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results directory (default $OUT or out/bench/)")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    return p
+
+
+def names_of(text: str, known, prog: str) -> list[str] | None:
+    """A comma-separated choice of ``known`` names; None (after a message) if one is unknown."""
+    names = [n for n in text.split(",") if n]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        print(f"{prog}: unknown {unknown}; known: {tuple(known)}", file=sys.stderr)
+        return None
+    return names
+
+
+def fp8_stack(key, layers: int, n: int, k: int, sharding=None):
+    """[L, N, K] e4m3 weights from N(0, 16^2), drawn one layer at a time (bounded
+    temporaries), placed with ``sharding`` (default: the default device)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    gen = lambda kk: (jax.random.normal(kk, (n, k), jnp.float32) * 16).astype(jnp.float8_e4m3fn)  # noqa: E731
+    return jax.jit(lambda ks: lax.map(gen, ks), out_shardings=sharding)(jax.random.split(key, layers))
+
+
+def torch_fp8_operands(s: "Shapes", k: int, n: int, dev, gen):
+    """PyTorch on CUDA: (x [rows, K] e4m3, its first M rows from N(0, 16^2), the rest zero;
+    w [L, N, K] e4m3 from N(0, 16^2), one layer at a time)."""
+    import torch
+
+    f8 = torch.float8_e4m3fn
+    x = torch.zeros((s.rows, k), device=dev, dtype=f8)
+    x[:s.tokens] = (torch.randn((s.tokens, k), device=dev, generator=gen) * 16).to(f8)
+    w = torch.empty((s.layers, n, k), device=dev, dtype=f8)
+    for layer in range(s.layers):
+        w[layer] = (torch.randn((n, k), device=dev, generator=gen) * 16).to(f8)
+    return x, w
+
+
 def load_shapes(config: str, tp: int) -> Shapes:
     from characters_jax.config import load_config
 

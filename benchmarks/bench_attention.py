@@ -12,7 +12,7 @@ FLOPs counted: 4 Tq S D H.
   reference     float32 jnp (``attention_reference``; only with ``--impls reference``)
 
 Time: the kernels' device time per call through CUPTI (jax's Mosaic GPU profiler hook),
-summed over the kernels of one call, median over ``--iters`` calls; the host clock where
+summed over the kernels of one call, median over ``--repeats`` calls; the host clock where
 CUPTI is missing (CPU). Checks against the float32 reference on fresh random inputs with
 outlier rows: relative error, and for the kernel that masked slots have no influence (their
 K/V replaced by large values, the output must not change) and that every output is finite.
@@ -23,12 +23,11 @@ K/V replaced by large values, the output must not change) and that every output 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from _common import (Results, Shapes, default_out, finish, load_shapes, rel_err,
+from _common import (Results, Shapes, default_out, finish, load_shapes, names_of, parser, rel_err,
                      torch_cuda_missing)
 
 IMPLS = ("pallas", "cudnn", "xla", "torch_cudnn", "reference")
@@ -165,32 +164,26 @@ def torch_sdpa(q, kb, vb, valid, ref, iters: int, flop: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="characters-57b", help="config name or path")
-    p.add_argument("--tp", default="1,2,4", help="tensor-parallel sizes whose per-GPU heads are timed")
+    p = parser(__doc__, "1,2,4", "tensor-parallel sizes whose per-GPU heads are timed",
+               "CPU check: tiny config, tp 1, xla and reference, 2 iterations")
     p.add_argument("--impls", default=None, help=f"comma-separated, of {IMPLS} (default all but reference)")
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results directory (default $OUT or out/bench/)")
-    p.add_argument("--smoke", action="store_true", help="CPU check: tiny config, tp 1, xla and reference, 2 iterations")
+    p.set_defaults(repeats=30)  # calls timed
     a = p.parse_args(argv)
     if a.smoke:
-        a.config, a.tp, a.iters = "tiny", "1", 2
+        a.config, a.tp, a.repeats = "tiny", "1", 2
         a.impls = a.impls or "xla,reference"
-    impls = [i for i in (a.impls or "pallas,cudnn,xla,torch_cudnn").split(",") if i]
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        print(f"bench_attention: unknown impls {unknown}; known: {IMPLS}", file=sys.stderr)
+    impls = names_of(a.impls or "pallas,cudnn,xla,torch_cudnn", IMPLS, "bench_attention: impls")
+    if impls is None:
         return 2
     import jax
 
     shapes = [load_shapes(a.config, int(t)) for t in a.tp.split(",")]
     res = Results(a.out or default_out(), "attention",
-                  {"config": a.config, "seed": a.seed, "iters": a.iters, "jax": jax.__version__,
+                  {"config": a.config, "seed": a.seed, "calls": a.repeats, "jax": jax.__version__,
                    "device": jax.devices()[0].device_kind, "tokens": shapes[0].tokens,
                    "slots": shapes[0].slots, "masked_slots": shapes[0].masked_slots})
     for s in shapes:
-        run_case(res, s, impls, a.iters, a.seed + s.tp)
+        run_case(res, s, impls, a.repeats, a.seed + s.tp)
     return finish(res)
 
 

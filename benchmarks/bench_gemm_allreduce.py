@@ -24,7 +24,6 @@ float32 on the host. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -32,8 +31,8 @@ import statistics
 import sys
 import tempfile
 
-from _common import (Results, Shapes, cuda_event_times_us, default_out, finish, load_shapes, looped,
-                     median_us, rel_err, torch_cuda_missing)
+from _common import (Results, Shapes, cuda_event_times_us, default_out, finish, fp8_stack, load_shapes, looped,
+                     median_us, names_of, parser, rel_err, torch_cuda_missing, torch_fp8_operands)
 
 METHODS = ("psum", "ppermute", "pallas")
 
@@ -55,9 +54,7 @@ def run_jax(res: Results, s: Shapes, methods, repeats: int, seed: int) -> None:
     keys = iter(jax.random.split(jax.random.key(seed), 8))
 
     def stack(k):
-        gen = lambda kk: (jax.random.normal(kk, (s.d_model, k), jnp.float32) * 16).astype(jnp.float8_e4m3fn)  # noqa: E731
-        values = jax.jit(lambda ks: lax.map(gen, ks), out_shardings=shard(P(None, None, "tp")))(
-            jax.random.split(next(keys), s.layers))
+        values = fp8_stack(next(keys), s.layers, s.d_model, k, shard(P(None, None, "tp")))
         return Fp8Weight(values=values, scale=jax.device_put(jnp.full((s.layers,), k ** -0.5 / 16, jnp.float32), shard(P())))
 
     a = jax.device_put(jax.random.normal(next(keys), (s.tokens, ko), jnp.bfloat16), shard(P(None, "tp")))
@@ -109,15 +106,11 @@ def _torch_worker(rank: int, s: Shapes, repeats: int, path: str) -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=s.tp)
-    dev, f8 = torch.device("cuda", rank), torch.float8_e4m3fn
+    dev = torch.device("cuda", rank)
     gen = torch.Generator(device=dev).manual_seed(rank)
     ops = []
     for k in (s.attention_width, s.mlp):
-        x = torch.zeros((s.rows, k), device=dev, dtype=f8)
-        x[:s.tokens] = (torch.randn((s.tokens, k), device=dev, generator=gen) * 16).to(f8)
-        w = torch.empty((s.layers, s.d_model, k), device=dev, dtype=f8)
-        for layer in range(s.layers):
-            w[layer] = (torch.randn((s.d_model, k), device=dev, generator=gen) * 16).to(f8)
+        x, w = torch_fp8_operands(s, k, s.d_model, dev, gen)
         ops.append((x, w, torch.tensor(1 / 16, device=dev), torch.tensor(k ** -0.5 / 16, device=dev)))
 
     def block(layer):
@@ -157,20 +150,13 @@ def run_torch(res: Results, s: Shapes, repeats: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="characters-57b", help="config name or path")
-    p.add_argument("--tp", type=int, default=2, help="GPUs the products are summed over")
+    p = parser(__doc__, 2, "GPUs the products are summed over", "CPU check (2 host devices): small config, 2 layers")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {METHODS}")
     p.add_argument("--layers", type=int, default=None, help="stack depth (default: the config's blocks)")
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results directory (default $OUT or out/bench/)")
-    p.add_argument("--smoke", action="store_true", help="CPU check (2 host devices): small config, 2 layers")
     a = p.parse_args(argv)
-    methods = [m for m in a.methods.split(",") if m]
-    if set(methods) - set(METHODS):
-        print(f"bench_gemm_allreduce: unknown methods {sorted(set(methods) - set(METHODS))}; known: {METHODS}", file=sys.stderr)
+    methods = names_of(a.methods, METHODS, "bench_gemm_allreduce: methods")
+    if methods is None:
         return 2
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

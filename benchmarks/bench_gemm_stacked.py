@@ -25,26 +25,21 @@ filled with NaN first so that an unwritten element shows.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
-from _common import (Results, Shapes, cuda_event_times_us, default_out, finish, load_shapes, looped,
-                     median_us, rel_err, torch_cuda_missing)
+from _common import (Results, Shapes, cuda_event_times_us, default_out, finish, fp8_stack, load_shapes, looped,
+                     median_us, names_of, parser, rel_err, torch_cuda_missing, torch_fp8_operands)
 
 CASES = ("qkv", "out", "up", "down", "out+down")
 
 
 def make_stack(key, layers: int, n: int, k: int):
-    """([L, N, K] e4m3 from N(0, 16^2), one layer at a time, [L] f32 scales)."""
-    import jax
+    """([L, N, K] e4m3 weights, [L] f32 scales, one a layer)."""
     import jax.numpy as jnp
-    from jax import lax
 
-    gen = lambda kk: (jax.random.normal(kk, (n, k), jnp.float32) * 16).astype(jnp.float8_e4m3fn)  # noqa: E731
-    w = jax.jit(lambda ks: lax.map(gen, ks))(jax.random.split(key, layers))
-    return w, jnp.full((layers,), 1 / 32, jnp.float32) * (1 + jnp.arange(layers) / layers)
+    return fp8_stack(key, layers, n, k), jnp.full((layers,), 1 / 32, jnp.float32) * (1 + jnp.arange(layers) / layers)
 
 
 def make_activation(key, s: Shapes, k: int):
@@ -156,16 +151,12 @@ def torch_scaled_mm(s: Shapes, names, repeats: int, flop: int) -> dict:
     float32 reference at the last layer."""
     import torch
 
-    dev, f8 = torch.device("cuda"), torch.float8_e4m3fn
+    dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     ops = []
     for name in names:
         n, k, _ = s.projections()[name]
-        x = torch.zeros((s.rows, k), device=dev, dtype=f8)
-        x[:s.tokens] = (torch.randn((s.tokens, k), device=dev, generator=gen) * 16).to(f8)
-        w = torch.empty((s.layers, n, k), device=dev, dtype=f8)
-        for layer in range(s.layers):
-            w[layer] = (torch.randn((n, k), device=dev, generator=gen) * 16).to(f8)
+        x, w = torch_fp8_operands(s, k, n, dev, gen)
         if s.activation_scale == "row":  # rowwise: [M, 1] x [1, N], float32
             xs = torch.zeros((s.rows, 1), device=dev)
             xs[:s.tokens] = torch.rand((s.tokens, 1), device=dev, generator=gen) * 1.5 / 16 + 0.5 / 16
@@ -185,27 +176,21 @@ def torch_scaled_mm(s: Shapes, names, repeats: int, flop: int) -> dict:
     ref = sum((x.float() @ w[last].float().t()) * xs * ws for x, w, xs, ws in ops)
     err = rel_err(call(last)[:s.tokens], ref[:s.tokens])
     us = statistics.median(cuda_event_times_us(call, s.layers, repeats))
-    del ops, ref
+    ops.clear()  # the memory back to the caching allocator, then to the device
     torch.cuda.empty_cache()
     return {"us": us, "flop": flop, "rel_err": err}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="characters-57b", help="config name or path")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size whose per-GPU shapes are timed")
+    p = parser(__doc__, 1, "tensor-parallel size whose per-GPU shapes are timed",
+               "CPU check: small config, 2 layers, the kernel interpreted")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     p.add_argument("--layers", type=int, default=None, help="stack depth (default: the config's blocks)")
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-torch", action="store_true", help="no torch._scaled_mm rows")
     p.add_argument("--budget-s", type=float, default=None, help="skip the cases not started after this many seconds")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results directory (default $OUT or out/bench/)")
-    p.add_argument("--smoke", action="store_true", help="CPU check: small config, 2 layers, the kernel interpreted")
     a = p.parse_args(argv)
-    cases = [c for c in a.cases.split(",") if c]
-    if set(cases) - set(CASES):
-        print(f"bench_gemm_stacked: unknown cases {sorted(set(cases) - set(CASES))}; known: {CASES}", file=sys.stderr)
+    cases = names_of(a.cases, CASES, "bench_gemm_stacked: cases")
+    if cases is None:
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # room for torch
     import dataclasses

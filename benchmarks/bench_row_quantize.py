@@ -21,11 +21,10 @@ float32 prologue.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
-from _common import Results, Shapes, default_out, finish, load_shapes, looped, median_us, rel_err
+from _common import Results, Shapes, default_out, finish, load_shapes, looped, median_us, parser, rel_err
 
 EPS = 1e-6
 
@@ -85,13 +84,9 @@ def _prologue_f32(prologue: str, x, mod):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="characters-57b", help="config name or path")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size whose per-GPU shapes are timed")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results directory (default $OUT or out/bench/)")
-    p.add_argument("--smoke", action="store_true", help="CPU check: small config, 2 layers, the kernel interpreted")
+    p = parser(__doc__, 1, "tensor-parallel size whose per-GPU shapes are timed",
+               "CPU check: small config, 2 layers, the kernel interpreted")
+    p.set_defaults(repeats=15)
     a = p.parse_args(argv)
     import jax
 
