@@ -1,157 +1,110 @@
-"""The per-row FP8 quantization kernels (``pallas_kernels.fp8_row_quantize``) at
-characters-57b's shapes, each ``--layouts`` variant against XLA's fusions of the same math:
+"""The per-row FP8 quantization kernels (``pallas_kernels.fp8_row_quantize``) against XLA's
+fusions of the same math, at one GPU's shapes of a config at ``--tp``:
 
-  norm  the block input, 757 x 9216 bf16 (every tp) -> 760 rows of e4m3;
-  gelu  the MLP hidden from up's 760-row output: 8064 (tp=4), 10752 (tp=3), 16128 (tp=2);
-  none  the attention output, 757 x 2304 (tp=4);
-and, for the block input, XLA's per-tensor quantization.
+  norm  the block input: modulated RMS norm of M x d_model bf16 rows -> ``rows`` e4m3 rows
+        (M rounded up to 8; the padding rows zero with scale 0)
+  gelu  the MLP hidden: GELU-tanh of up's ``rows`` x mlp / tp output
+  none  the attention output, M x heads / tp x head_dim
 
-Each variant runs 60 times inside one jitted ``lax.scan``: rolled, every output carried
-to the next call through an optimization barrier with its input (the loop's own ~10 us a
-call included, the same for every variant), or ``--unrolled`` for the kernels alone
-(``scanned`` says why XLA's fusions cannot be timed that way); per call = scan time / 60,
-median of ``--repeats`` (host clock around ``block_until_ready``, after a warm-up call),
-two interleaved rounds.
+  kernel      ``row_quantize(impl='pallas')``, its default layout (a GPU with the e4m3
+              conversion: sm_89 or later; the interpreter with ``--smoke``)
+  xla_row     ``row_quantize(impl='reference')``: the same math, XLA's fusions
+  xla_tensor  (norm only) the block input quantized per tensor by the model's code
 
-Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_row_quantize.py --out $OUT
-Layouts: ROWSxCHUNKxWARPS, CHUNK 'full' for the row's next power of two (one chunk), a
-trailing 'r' for Layout.reload.
+Each runs L times (the config's blocks) in one jitted scan (``_common.looped``); per call
+= scan time / L, median over ``--repeats``. Error: the dequantized output against the
+float32 prologue.
+
+    python3 benchmarks/bench_row_quantize.py --config characters-57b --tp 4 --out $OUT
+    python3 benchmarks/bench_row_quantize.py --smoke      # CPU: small config, interpreter
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import re
-import statistics
+import dataclasses
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-from jax import lax
+from _common import Results, Shapes, default_out, finish, load_shapes, looped, median_us, parser, rel_err
 
-from characters_jax.model.dit import modulated_norm
-from characters_jax.parallel.fp8_linear import quantize
-from pallas_kernels import fp8_row_quantize as rq
-
-M, ROWS, LAYERS, EPS = 757, 760, 60, 1e-6
-# (prologue, D, rows of the input): the kernels' shapes in the model.
-CASES = (("norm", 9216, M), ("gelu", 8064, ROWS), ("gelu", 10752, ROWS), ("gelu", 16128, ROWS),
-         ("none", 2304, M))
-DEFAULT_LAYOUTS = ("1xfullx8", "1x2048x8", "1x1024x4", "1x2048x16", "1x1024x4r", "1x2048x8r",
-                   "1x1024x2r", "2x1024x8r")
+EPS = 1e-6
 
 
-def parse_layout(text: str) -> rq.Layout:
-    """'ROWSxCHUNKxWARPS', a trailing 'r' for Layout.reload; CHUNK 'full': one chunk."""
-    match = re.fullmatch(r"(\d+)x(full|\d+)x(\d+)(r?)", text)
-    if not match:
-        raise ValueError(f"layout {text!r}: want ROWSxCHUNKxWARPS[r], e.g. 1x2048x8")
-    rows, chunk, warps, reload = match.groups()
-    return rq.Layout(int(rows), None if chunk == "full" else int(chunk), int(warps), bool(reload))
+def cases(s: Shapes) -> list[tuple[str, int, int]]:
+    """(prologue, D, rows of the input) of each kernel call in the model's block."""
+    return [("norm", s.d_model, s.tokens), ("gelu", s.mlp, s.rows), ("none", s.attention_width, s.tokens)]
 
 
-def variants(prologue, layouts):
-    def kernel(layout):
-        return lambda x, a, b: rq.row_quantize(
-            x, *((a, b) if prologue == "norm" else ()), prologue=prologue, eps=EPS, rows=M,
-            rows_out=ROWS, impl="pallas", layout=layout)
+def run_case(res: Results, s: Shapes, prologue: str, d: int, rows_in: int, key, impl, repeats: int):
+    import jax
+    import jax.numpy as jnp
 
-    out = {name: kernel(parse_layout(name)) for name in layouts}
-    out["xla_row"] = lambda x, a, b: rq.reference(
-        x, *((a, b) if prologue == "norm" else ()), eps=EPS, rows=M, rows_out=ROWS,
-        prologue=prologue)
+    from characters_jax.parallel.fp8_linear import quantize
+    from pallas_kernels import fp8_row_quantize as rq
+    from pallas_kernels.numerics import modulated_norm
+
+    kx, ka, kb = jax.random.split(key, 3)
+    x = (jax.random.normal(kx, (rows_in, d)) * 2).astype(jnp.bfloat16)
+    mod = (jax.random.normal(ka, (d,)) * 0.1, jax.random.normal(kb, (d,)) * 0.1) if prologue == "norm" else ()
+    kw = dict(prologue=prologue, eps=EPS, rows=s.tokens, rows_out=s.rows)
+    ref = _prologue_f32(prologue, x, mod)[:s.tokens]
+    case = f"{prologue} ({rows_in} x {d})"
+
+    def timed(fn):
+        def run():
+            us = median_us(looped(lambda x, mod, i: fn(x, *mod), s.layers), (x, mod), repeats, per=s.layers)
+            values, scale = jax.jit(fn)(x, *mod)
+            deq = values.astype(jnp.float32) * jnp.reshape(scale, (-1, 1) if jnp.ndim(scale) else ())
+            return {"us": us, "rel_err": rel_err(deq[:s.tokens], ref)}
+        return run
+
+    res.measure(case, "xla_row", timed(lambda x, *m: rq.reference(x, *m, **kw)))
+    if impl is None:
+        res.skip(case, "kernel", "needs an NVIDIA GPU of sm_89 or later")
+    else:
+        res.measure(case, "kernel", timed(lambda x, *m: rq.row_quantize(x, *m, impl=impl, **kw)))
     if prologue == "norm":
-        def xla_tensor(x, a, b):
-            q = quantize(modulated_norm(x, a, b, EPS), "tensor")
-            return jnp.pad(q.values, ((0, ROWS - M), (0, 0))), q.scale
-        out["xla_tensor"] = xla_tensor
-    return out
+        def per_tensor(x, shift, scale):
+            q = quantize(modulated_norm(x, shift, scale, EPS), "tensor")
+            return jnp.pad(q.values, ((0, s.rows - s.tokens), (0, 0))), q.scale
+        res.measure(case, "xla_tensor", timed(per_tensor))
 
 
-def scanned(fn, d, unroll=False):
-    """fn run LAYERS times in one jitted lax.scan (compiled once, timed each round).
+def _prologue_f32(prologue: str, x, mod):
+    """The prologue in float32: what the quantized rows approximate."""
+    import jax.numpy as jnp
 
-    Rolled (default): the whole outputs are the loop's carry, tied to the next call's
-    input by an optimization barrier, so every call runs and writes all of them; the loop
-    adds its own per-iteration cost (~10 us on an H200), the same for every variant.
-    Unrolled (kernels only): the 60 calls back to back; each input is tied to a running
-    scalar of the earlier outputs, which keeps the opaque kernel calls distinct and live
-    (an XLA fusion there would be cut down to the one element read, so XLA variants are
-    not run unrolled)."""
-    if unroll:
-        def scan(x, a, b):
-            def body(acc, i):
-                xi, acc = lax.optimization_barrier((x, acc))
-                q, s = fn(xi, a, b)
-                return acc + s[0] + q[-1, -1].astype(jnp.float32), None
-            return lax.scan(body, jnp.float32(0), jnp.arange(LAYERS), unroll=True)[0]
-        return jax.jit(scan)
+    from pallas_kernels.numerics import gelu_tanh, modulated_norm
 
-    def scan(x, a, b):
-        def body(carry, i):
-            xi, _ = lax.optimization_barrier((x, carry))
-            q, s = fn(xi, a, b)
-            return (q, s.reshape(-1)[:1]), None
-        init = (jnp.zeros((ROWS, d), rq.FP8), jnp.zeros((1,), jnp.float32))
-        return lax.scan(body, init, jnp.arange(LAYERS))[0]
-    return jax.jit(scan)
+    xf = x.astype(jnp.float32)
+    if prologue == "norm":
+        return modulated_norm(xf, *mod, EPS).astype(jnp.float32)
+    if prologue == "gelu":
+        return gelu_tanh(xf)
+    return xf
 
 
-def time_variant(f, x, a, b, repeats):
-    jax.block_until_ready(f(x, a, b))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, a, b))
-        ts.append((time.perf_counter() - t0) / LAYERS * 1e6)
-    return statistics.median(ts)
+def main(argv=None) -> int:
+    p = parser(__doc__, 1, "tensor-parallel size whose per-GPU shapes are timed",
+               "CPU check: small config, 2 layers, the kernel interpreted")
+    p.set_defaults(repeats=15)
+    a = p.parse_args(argv)
+    import jax
 
+    from pallas_kernels import fp8_row_quantize as rq
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--layouts", nargs="*", default=list(DEFAULT_LAYOUTS))
-    ap.add_argument("--cases", nargs="*", default=[f"{p}:{d}" for p, d, _ in CASES],
-                    help="PROLOGUE:D of CASES")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--unrolled", dest="unroll", action="store_true",
-                    help="60 unrolled calls, kernels only (no loop overhead; see scanned)")
-    args = ap.parse_args()
-    cases = [c for c in CASES if f"{c[0]}:{c[1]}" in args.cases]
-    key = jax.random.key(int(time.time()) % 2**31)
-    res = {"device": str(jax.devices()[0]), "m": M, "rows_out": ROWS, "layers": LAYERS,
-           "us": {}}
-    for prologue, d, rows_in in cases:
-        kx, ka, kb, key = jax.random.split(key, 4)
-        x = (jax.random.normal(kx, (rows_in, d)) * 2).astype(jnp.bfloat16)
-        a, b = jax.random.normal(ka, (d,)) * 0.1, jax.random.normal(kb, (d,)) * 0.1
-        case = f"{prologue}:{d}"
-        res["us"][case] = {}
-        fns = {name: scanned(fn, d, args.unroll)
-               for name, fn in variants(prologue, args.layouts).items()
-               if not (args.unroll and name.startswith("xla"))}
-        for _ in range(2):  # two rounds, interleaved: drift shows as a difference
-            for name, f in fns.items():
-                try:
-                    us = time_variant(f, x, a, b, args.repeats)
-                except Exception as e:  # noqa: BLE001
-                    us = float("nan")
-                    print(f"{case} {name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                res["us"][case].setdefault(name, []).append(us)
-        print(f"{case} done", file=sys.stderr, flush=True)
-        os.makedirs(args.out, exist_ok=True)  # after every case: a timeout keeps the rest
-        with open(os.path.join(args.out, "row_quantize.json"), "w") as f:
-            json.dump(dict(res, unrolled=args.unroll), f, indent=1)
-    print(f"us per call, {M} rows -> {ROWS} (two rounds), x = / "
-          + ("the first layout" if args.unroll else "xla_row"))
-    for case, table in res["us"].items():
-        base = min(next(iter(table.values())) if args.unroll else table["xla_row"])
-        for name, us in table.items():
-            print(f"{case:12s} {name:12s} {us[0]:8.1f} {us[1]:8.1f}   x{min(us) / base:.2f}")
+    s = load_shapes("small" if a.smoke else a.config, a.tp)
+    if a.smoke:
+        s = dataclasses.replace(s, layers=2)
+    impl = "interpret" if a.smoke else ("pallas" if rq.is_supported() else None)
+    res = Results(a.out or default_out(), "row_quantize",
+                  {"config": s.config, "tp": s.tp, "tokens": s.tokens, "rows": s.rows, "layers": s.layers,
+                   "seed": a.seed, "jax": jax.__version__, "device": jax.devices()[0].device_kind, "kernel": impl})
+    key = jax.random.key(a.seed)
+    for prologue, d, rows_in in cases(s):
+        key, sub = jax.random.split(key)
+        res.run_case(prologue, lambda: run_case(res, s, prologue, d, rows_in, sub, impl, 1 if a.smoke else a.repeats))
+    return finish(res)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -25,6 +25,7 @@ Prints a table; writes JSON (default $OUT/decoder_overlap.json).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -120,6 +121,8 @@ def worker(args) -> int:
 # ---- the generator (main process) -----------------------------------------------------------
 
 def main(argv=None) -> int:
+    from characters_jax.config import add_engine_arguments
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="characters-57b")
     p.add_argument("--tp", type=int, default=2)
@@ -127,9 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per phase")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunks", type=int, default=20, help="decoder chunks timed alone")
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--reduce", default="auto")
-    p.add_argument("--gemm", default="auto")
+    add_engine_arguments(p)
     p.add_argument("--decoder-mem-fraction", default="0.06", help="XLA_PYTHON_CLIENT_MEM_FRACTION of the worker")
     p.add_argument("--json", default=None, help="output (default $OUT/decoder_overlap.json)")
     p.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
@@ -164,12 +165,11 @@ def _drive(a, d: pathlib.Path, proc) -> dict:
     import jax
     import numpy as np
 
-    from characters_jax.config import load_config
+    from characters_jax.config import load_config, with_engine_arguments
     from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.engine.step import EngineOptions
 
-    cfg = load_config(a.config)
-    gen = DiTGenerator(cfg, tp=a.tp, options=EngineOptions(attention=a.attention, reduce=a.reduce, gemm=a.gemm))
+    cfg = with_engine_arguments(load_config(a.config), a)
+    gen = DiTGenerator(cfg, tp=a.tp)
     engine = gen.engine
     rng = np.random.default_rng(0)
     image = rng.standard_normal((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)).astype(np.float32)
@@ -205,7 +205,7 @@ def _drive(a, d: pathlib.Path, proc) -> dict:
         "tp": a.tp,
         "generator_devices": [str(x) for x in gen.mesh.devices.flat],
         "decoder_device": worker_device,
-        "options": {"attention": a.attention, "reduce": a.reduce, "gemm": engine.gemm},
+        "engine": dataclasses.asdict(engine.options),
         "step_ms": step,
         "decoder_ms": dec,
         "step_ratio_paced": step["paced"]["p50"] / step["alone"]["p50"],

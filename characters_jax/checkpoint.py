@@ -10,6 +10,7 @@ restores at another).
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import time
 
@@ -33,7 +34,8 @@ def save_params(path: str | pathlib.Path, params: nnx.State) -> pathlib.Path:
 
 
 def restore_params(path: str | pathlib.Path, engine) -> nnx.State:
-    """Restores params for `engine` (its config and mesh), each shard onto its device."""
+    """Restores params for `engine` (an ``engine.step.Engine``: its abstract params and
+    their shardings on its mesh), each shard onto its device."""
     path = pathlib.Path(path).resolve()
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -52,18 +54,21 @@ def restore_params(path: str | pathlib.Path, engine) -> nnx.State:
 
 def _init_checkpoint(args) -> int:
     from characters_jax.config import load_config
-    from characters_jax.engine.step import Engine, count_params
-    from characters_jax.parallel.sharding import make_mesh
+    from characters_jax.model.params import abstract_model, count_params, init_state, param_partition_specs
+    from characters_jax.parallel.sharding import ShardingRules, make_mesh, named_shardings
 
     cfg = load_config(args.config)
+    cfg.validate_tp(args.tp)
     out = pathlib.Path(args.out)
     if out.exists():
         print(f"characters-jax init-checkpoint: {out} already exists; choose a new directory")
         return 2
-    engine = Engine(cfg, make_mesh(args.tp))
-    print(f"{cfg.name}: {count_params(cfg) / 1e9:.2f}B parameters, tp={args.tp}, initialising on {jax.default_backend()} ...", flush=True)
+    _, abstract = abstract_model(cfg.model)
+    shardings = named_shardings(make_mesh(args.tp), param_partition_specs(abstract, ShardingRules()))
+    init = jax.jit(functools.partial(init_state, cfg.model), out_shardings=shardings)
+    print(f"{cfg.name}: {count_params(cfg.model) / 1e9:.2f}B parameters, tp={args.tp}, initialising on {jax.default_backend()} ...", flush=True)
     t0 = time.perf_counter()
-    params = engine.init_params(jax.random.key(args.seed))
+    params = init(jax.random.key(args.seed))
     jax.block_until_ready(params)
     t1 = time.perf_counter()
     print(f"initialised in {t1 - t0:.1f} s; writing {out} ...", flush=True)

@@ -1,13 +1,14 @@
 """Typed, frozen configuration loaded from `configs/<name>.toml`.
 
 A config file has one table per dataclass below (`[model]`, `[video]`, `[cache]`,
-`[sampler]`, `[audio]`, `[decoder]`); a field left out takes its default. A user adds a
+`[sampler]`, `[audio]`, `[decoder]`, `[engine]`); a field left out takes its default. A user adds a
 config by dropping a new `.toml` into `configs/` (or passing a path): no code changes.
 `validate()` runs on load and names the offending field in its error.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import pathlib
 import tomllib
@@ -113,6 +114,54 @@ class DecoderConfig:
     dtype: str = "float32"
 
 
+ATTENTION_IMPLS = ("auto", "pallas", "cudnn", "xla", "reference")
+REDUCE_METHODS = ("auto", "psum", "ppermute", "pallas")
+KERNELS = ("gemm", "quant", "qkv")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine computes the step; every choice keeps the model's arithmetic up to
+    rounding (the numerics harness judges each against the reference).
+
+    attention: 'auto' (the Pallas FP8 kernel on an NVIDIA Hopper GPU for an FP8 cache and
+      head_dim 128, else the reference) | 'pallas' | 'cudnn' | 'xla' (``jax.nn.
+      dot_product_attention`` on dequantized K/V) | 'reference' (plain jnp, float32).
+    reduce: the block's all-reduce: 'auto' (the fused Pallas FP8 GEMM + all-reduce on
+      Hopper where the shapes tile, else psum) | 'psum' | 'ppermute' (a ring overlapping
+      the GEMM; portable) | 'pallas' (the fused kernel; FP8 weights).
+    kernels: the custom kernels besides attention and the reduction: 'auto' (every one
+      that applies and runs here) | 'none' | a '+'-joined subset of 'gemm' (the stacked
+      Pallas FP8 GEMM, weights read in place, attention-out + MLP-down joined; its jnp
+      reference off Hopper), 'quant' (the GEMM inputs' norm / GELU + per-row FP8
+      quantization kernels) and 'qkv' (QK-norm, RoPE, Q's e4m3 parts and the K/V cache
+      write in one kernel).
+    """
+
+    attention: str = "auto"
+    reduce: str = "auto"
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        for name, choices in (("attention", ATTENTION_IMPLS), ("reduce", REDUCE_METHODS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"engine.{name}: must be one of {choices}, got {getattr(self, name)!r}")
+        self.kernel_set()  # checks the kernels field
+
+    def kernel_set(self) -> frozenset[str] | None:
+        """The kernels asked for by name (a frozenset, empty for 'none'), or None for 'auto'."""
+        k = self.kernels
+        if k == "auto":
+            return None
+        if k == "none":
+            return frozenset()
+        names = k.split("+") if isinstance(k, str) else []
+        if not names or any(n not in KERNELS for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"engine.kernels: must be 'auto', 'none' or a '+'-joined subset of "
+                              f"{KERNELS} (e.g. 'gemm+quant'), got {k!r}")
+        return frozenset(names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
@@ -122,6 +171,7 @@ class Config:
     sampler: SamplerConfig
     audio: AudioConfig
     decoder: DecoderConfig
+    engine: EngineConfig = EngineConfig()
 
     @property
     def sink_image_tokens(self) -> int:
@@ -170,6 +220,7 @@ _SECTIONS = {
     "sampler": SamplerConfig,
     "audio": AudioConfig,
     "decoder": DecoderConfig,
+    "engine": EngineConfig,
 }
 
 _CHOICES = {
@@ -266,3 +317,31 @@ def config_from_dict(raw: dict[str, Any], default_name: str = "custom") -> Confi
     cfg = Config(name=name, **sections)
     validate(cfg)
     return cfg
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that override the config's [engine] and [cache] tables (default: the
+    config's), the same for every command that builds an engine (serve, bench, numerics,
+    demo); ``with_engine_arguments`` applies them."""
+    g = parser.add_argument_group("engine (override the config's [engine] and [cache])")
+    g.add_argument("--attention", default=None, metavar="|".join(ATTENTION_IMPLS),
+                   help="attention implementation")
+    g.add_argument("--reduce", default=None, metavar="|".join(REDUCE_METHODS),
+                   help="the blocks' all-reduce")
+    g.add_argument("--kernels", default=None, metavar="auto|none|" + "+".join(KERNELS),
+                   help="custom kernels: auto, none, or a '+'-joined subset of "
+                        + ", ".join(KERNELS))
+    g.add_argument("--cache-mode", default=None, metavar="|".join(_CHOICES[("cache", "mode")]),
+                   help="cache.mode")
+    g.add_argument("--cache-dtype", default=None, metavar="|".join(_CHOICES[("cache", "dtype")]),
+                   help="cache.dtype")
+
+
+def with_engine_arguments(cfg: Config, args: argparse.Namespace) -> Config:
+    """``cfg`` with the flags of ``add_engine_arguments`` applied (those given), validated:
+    a bad value is a ConfigError naming the field and its allowed values."""
+    engine = {k: getattr(args, k) for k in ("attention", "reduce", "kernels")
+              if getattr(args, k, None) is not None}
+    cache = {k: getattr(args, f"cache_{k}") for k in ("mode", "dtype")
+             if getattr(args, f"cache_{k}", None) is not None}
+    return cfg.replace(engine=engine, cache=cache)

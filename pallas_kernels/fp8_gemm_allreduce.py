@@ -8,33 +8,16 @@ computes the output tiles of the partial product
 
 with wgmma on FP8 operands (both K-major: the weight is read as stored, (N, K)).
 As soon as a tile's epilogue has written it to shared memory, the tile is copied
-by the TMA engine to the device's own output and to a receive buffer on every
+by the TMA engine to the device's own output and to a receive slot on every
 peer (``plgpu.remote_ref``), and the warpgroups go on with their next tile while
 the copies travel over NVLink.  When a block has finished its tiles and its
 copies have landed, it signals each peer's semaphore; the kernel ends once every
-block of every peer has signalled.  Two ways to sum the partials (``Config.reduce``):
-
-  'xla'     each tile goes to the own output and to a receive slot on every peer;
-            the sum of the own partial and the tp - 1 received ones is one fused
-            elementwise pass after the kernel (run 1).  M is padded to the tile.
-  'tma_add' the sum happens inside the kernel: every block first zeroes its share
-            of the output, all blocks of all devices meet once (a semaphore count),
-            and each finished sub-tile is stored with a TMA reduce-add
-            (``cp.reduce.async.bulk.tensor ... .add``) into the output of every
-            device, itself included.  No receive buffer, no pass after the kernel,
-            no padding of M (TMA drops out-of-bounds rows).  For tp = 2 the result
-            is bf16(bf16(p0) + bf16(p1)) on both devices (addition commutes); for
-            tp >= 3 the order of the adds varies, so devices may differ in the last bit.
-
-``Config(stream_k=True)`` (``STREAM_K_CONFIG``) runs the same exchange ('xla' sum, entry
-handshake, done count: ``mgpu_sync.PeerSync``) on the stacked GEMM's stream-K schedule
-(``fp8_gemm_stream_k``: the K steps dealt out evenly over the SMs, a cut tile finished on
-its own GPU before it travels) instead of whole tiles per block; M is padded to 8, not to
-the tile.
+block of every peer has signalled.  The sum of the own partial and the tp - 1
+received ones is one fused elementwise pass after the kernel.  M is padded to the tile.
 
 The exchange is point-to-point remote stores only (no NVLS), so any number of devices
-works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N
-elements: the same as a ring all-reduce for tp = 2, more for larger tp.
+works (2, 3, 4, ...).  Each device sends (tp - 1) * M * N elements: the same as a ring
+all-reduce for tp = 2, more for larger tp.
 
 Synchronization (the model calls the kernel 240 times a step, back to back in a scan):
   - Semaphores come from ``pl.get_global``.  In jax 0.11.2 they live in a GMEM scratch
@@ -46,22 +29,21 @@ Synchronization (the model calls the kernel 240 times a step, back to back in a 
   - done: each compute warpgroup of every block, once its copies have completed, signals
     every peer once; block 0 of each device waits for the 2 * num_sms * (tp - 1) signals
     of its peers, so when the kernel ends every tile sent to this device has landed.
-  - entry (``Config.entry_sync``, default on): nothing may be written into a peer, nor
-    signalled to it, before that peer's call has begun.  Until then its receive buffer
-    is memory XLA may still use for other values of the preceding ops (or, for the
-    previous call, the buffer the sum pass is still reading), and its zero-fill of the
-    semaphores has not run, so an early signal would be erased (a hang).  The kernel does
-    not rely on the runtime to line the devices up before the launch: block 0's first
-    warpgroup signals each peer at the start (phase 1); every compute warpgroup, before
-    its first remote store (after its first tile's main loop, so normally at no cost) and
-    before its done signals, waits until every peer has signalled; block 0's first
-    warpgroup, when it sees a peer, signals it again (phase 2).  A phase-1 signal can be
-    erased by a peer that had not yet begun, but that peer's own phase 1 then reaches this
-    device, which answers with phase 2 after seeing it, i.e. after the peer's zero-fill:
-    every device passes, and every later signal (phase 2, done) comes from a device that
-    has seen its target inside the call.  One semaphore per peer distance (slot j on a
-    device counts the device j places behind it).  ``Config(entry_sync=False)`` is run 1's
-    protocol, kept for the GPU A/B check.
+  - entry: nothing may be written into a peer, nor signalled to it, before that peer's
+    call has begun.  Until then its receive buffer is memory XLA may still use for other
+    values of the preceding ops (or, for the previous call, the buffer the sum pass is
+    still reading), and its zero-fill of the semaphores has not run, so an early signal
+    would be erased (a hang).  The kernel does not rely on the runtime to line the
+    devices up before the launch: block 0's first warpgroup signals each peer at the
+    start (phase 1); every compute warpgroup, before its first remote store (after its
+    first tile's main loop, so normally at no cost) and before its done signals, waits
+    until every peer has signalled; block 0's first warpgroup, when it sees a peer,
+    signals it again (phase 2).  A phase-1 signal can be erased by a peer that had not
+    yet begun, but that peer's own phase 1 then reaches this device, which answers with
+    phase 2 after seeing it, i.e. after the peer's zero-fill: every device passes, and
+    every later signal (phase 2, done) comes from a device that has seen its target
+    inside the call.  One semaphore per peer distance (slot j on a device counts the
+    device j places behind it).
 
 Shapes and dtypes (per device):
   x_fp8  [M, K]  float8_e4m3fn       (M is padded to the tile height internally)
@@ -74,72 +56,96 @@ Shapes and dtypes (per device):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.mgpu_sync import PeerSync
+from pallas_kernels import device
+from pallas_kernels.gemm_common import Config, fits, pad_row_scales, smem_transforms
+from pallas_kernels.numerics import quantize_activation
 
 FP8 = jnp.float8_e4m3fn
 # Kernel names as profiler traces show them (``characters_jax.measure.profile`` classifies
-# by them): the fused GEMM + all-reduce, and the same kernel at tp = 1 (the stacked GEMM).
+# by them): the fused GEMM + all-reduce, and the same kernel on one device (a plain GEMM).
 KERNEL_NAME = "fp8_gemm_allreduce"
 GEMM_KERNEL_NAME = "fp8_gemm"
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tiling of the fused kernel.
+DEFAULT_CONFIG = Config()
 
-    A block computes a (tile_m, 2 * tile_n) output tile with two compute
-    warpgroups side by side along N, streaming K in steps of tile_k through
-    ``stages`` shared-memory buffers; epilogues write (epi_m, epi_n) sub-tiles.
+
+class PeerSync:
+    """The entry handshake and the done count of a kernel on ``tp`` devices that stores into
+    its peers' memory (module docstring, "Synchronization").
+
+    Build it inside the kernel body: it takes the semaphores (``pl.get_global``, zeroed by
+    the lowering at every call) and this device's index on ``axis_name``.
+      entry: the leader signals every peer at the start (``start``, phase 1); every writer
+        calls ``enter`` before its first remote store and before its done signals: it
+        returns once every peer has signalled; the leader then signals each peer it has
+        seen again (phase 2), which no zero-fill can erase. Slot j counts the device j
+        places behind.
+      done: each writer, once its copies have completed, signals every peer once
+        (``finish``); the leader waits for all the peers' signals, so when the kernel ends
+        every tile sent to this device has landed.
     """
 
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 128
-    stages: int = 3
-    epi_m: int = 64
-    epi_n: int = 64
-    grid_minor_n: bool = True
-    grid_tile_width: int = 4
-    # 'xla' | 'tma_add' (module docstring); with stream_k: how a cut tile's two pieces are
-    # summed, 'xla' a float32 partial merged in shared memory, 'tma_add' a TMA reduce-add.
-    reduce: str = "xla"
-    # Entry handshake before the first remote write (module docstring, "Synchronization").
-    # False: run 1's protocol (remote writes may start before a peer has entered the call).
-    entry_sync: bool = True
-    # wgmma groups a compute warpgroup leaves in flight across K steps. 0: each step's
-    # wgmma is waited on before the stage is released. 1: the next step's wgmma is issued
-    # first and the stage is released one step later (the pipeline's delay_release), so
-    # the tensor cores need not idle between K steps; the memory warpgroup then waits at
-    # each tile's start until both compute warpgroups have finished the previous tile's
-    # last wgmma (it reads a stage the next tile's first copies would overwrite).
-    # Measured 3-16% slower at the characters-57b tp=2 shapes on an H200 (BUILD_NOTES):
-    # the later release costs a stage of prefetch.
-    mma_in_flight: int = 0
-    # The stream-K schedule (``fp8_gemm_stream_k``): the K steps of all output tiles dealt
-    # out evenly over the persistent grid, tiles cut between neighbouring blocks and their
-    # partials merged in the kernel, instead of whole tiles per block. The stacked GEMM's
-    # default at tp = 1; here (tp > 1) each finished tile also goes to the peers' receive
-    # slots and the sum is the 'xla' pass ('reduce' then says how cut tiles are merged).
-    stream_k: bool = False
+    def __init__(self, axis_name: str, tp: int):
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
 
+        self.tp = tp
+        self.dev = lax.axis_index(axis_name)
+        self.done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        # entry[j]: signals from the device j places behind (slot 0 unused)
+        self.entry = [None] + [pl.get_global(plgpu.SemaphoreType.REGULAR)
+                               for _ in range(1, tp)]
 
-# Run 1's configuration (the fallback) and the in-kernel reduction.
-CONFIG_RUN1 = Config()
-CONFIG_TMA_ADD = Config(reduce="tma_add")
-# Run 1's synchronization, kept for the GPU A/B check of the entry handshake.
-CONFIG_NO_ENTRY_SYNC = Config(entry_sync=False)
-# The stream-K schedule with the peer exchange (cut tiles merged from a float32 partial
-# on the own GPU, so only finished tiles travel); not GPU-measured yet.
-STREAM_K_CONFIG = Config(stream_k=True, stages=4)
-# What gemm_allreduce uses when no config is given (row_parallel passes none).
-DEFAULT_CONFIG = Config()
+    def peer(self, j):
+        """The device j places ahead (traced int32)."""
+        return lax.rem(self.dev + j, self.tp)
+
+    def start(self, leader):
+        """Phase 1: the leader signals every peer's entry slot."""
+        from jax.experimental import pallas as pl
+
+        @pl.when(leader)
+        def _phase1():
+            for j in range(1, self.tp):
+                pl.semaphore_signal(self.entry[j], 1, device_id=self.peer(j))
+
+    def enter(self, is_leader):
+        """Returns once every peer has entered this call; ``is_leader`` (traced bool, or None
+        where the caller is never the leader) then sends phase 2 to each peer."""
+        from jax.experimental import pallas as pl
+
+        tp = self.tp
+        for j in range(1, tp):
+            pl.semaphore_wait(self.entry[j], 1, decrement=False)
+            if is_leader is not None:
+                @pl.when(is_leader)
+                def _phase2(j=j):
+                    pl.semaphore_signal(self.entry[tp - j], 1,
+                                        device_id=lax.rem(self.dev - j + tp, tp))
+
+    def finish(self, is_writer, leader, writers_per_device: int):
+        """After this warpgroup's copies have completed: each writer (traced bool) enters
+        (a writer without tiles has not checked yet) and signals every peer's done count;
+        the leader waits for ``writers_per_device`` signals from each peer."""
+        from jax.experimental import pallas as pl
+
+        @pl.when(is_writer)
+        def _signal():
+            self.enter(None)
+            for j in range(1, self.tp):
+                pl.semaphore_signal(self.done, 1, device_id=self.peer(j))
+
+        @pl.when(leader)
+        def _wait():
+            pl.semaphore_wait(self.done, value=writers_per_device * (self.tp - 1),
+                              decrement=False)
 
 
 def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp.bfloat16):
@@ -151,84 +157,38 @@ def reference(x_fp8, w_fp8, scale, addend=None, *, axis_name="tp", out_dtype=jnp
 
 
 def is_supported() -> bool:
-    """The fused kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
-    if jax.default_backend() != "gpu":
-        return False
-    kind = getattr(jax.devices()[0], "compute_capability", "0")
-    try:
-        return float(kind) >= 9.0
-    except ValueError:
-        return False
+    """The fused kernel needs NVIDIA Hopper (wgmma, TMA): sm_90."""
+    return device.is_hopper()
 
 
-def device_sm_count() -> int:
-    """SMs of the first device (the persistent grid's size); 132 (H100/H200 SXM) if unknown."""
-    return getattr(jax.devices()[0], "core_count", 132)
+def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config,
+            layer=None, num_sms=None, row_scale=None):
+    """Launches the Mosaic GPU kernel: returns (own partial [Mx, N], received
+    [tp - 1, Mx, N] or None at tp = 1).
 
-
-def fits(k: int, n: int, config: Config = Config()) -> bool:
-    """Whether a [*, K] x [N, K] product tiles with ``config`` (M is padded)."""
-    return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0
-
-
-def smem_transforms(config: Config, out_dtype):
-    """Shared-memory transforms of the GEMM kernels' tiles: (for the FP8 operand tiles
-    [*, tile_k], for the output sub-tiles [epi_m, epi_n] of out_dtype), each a tiling to
-    the swizzle's width then the swizzle."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    swizzle = plgpu.find_swizzle(config.tile_k * 8)  # FP8: one byte per element
-    in_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(config.epi_n * out_bytes * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_bytes)),
-                      plgpu.SwizzleTransform(out_swizzle))
-    return in_transforms, out_transforms
-
-
-def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_out=None,
-            layer=None, num_sms=None, interpret=False, row_scale=None):
-    """Launches the Mosaic GPU kernel.
-
-    Operands (per device): x [Mx, K] e4m3 (Mx = M, or M rounded up as the caller padded it);
-    w [N, K] e4m3, or a stack [L, N, K] with ``layer``; scale [1] f32 (the
-    combined scale, broadcast), or [L] with a stack (each layer's, read at ``layer``);
-    addend None or [Mx, N] out_dtype.
-
-    reduce='xla': returns (own partial [Mx, N], received [tp-1, Mx, N] or None).
-    reduce='tma_add': returns (the reduced [M, N], None).
+    Operands (per device): x [Mx, K] e4m3 (M rounded up to the tile by the caller); w
+    [N, K] e4m3, or a stack [L, N, K] with ``layer``; scale [1] f32 (the combined scale,
+    broadcast), or [L] with a stack (each layer's, read at ``layer``); addend None or
+    [Mx, N] out_dtype.
 
       layer: None, or a [1] int32 array; then ``w`` is a stack [L, N, K] and the kernel
         reads ``w[layer]`` (clamped to [0, L)) in place: the GMEM ref is indexed with
         the scalar before the TMA copies, so XLA never materializes the [N, K] slice.
-        Any tp (the stacked GEMM of ``fp8_gemm_stacked`` is tp = 1).
-      With tp = 1, M need not be a multiple of tile_m (it must be one of 8, for the TMA
-        tiling): the last tile's rows past M are zero on load and dropped on store.
       num_sms: the persistent grid size (default: the device's SM count).
       row_scale: None, or [R] float32 (1 <= R <= Mx; rows from R on scale by 0): x's
         per-row scales; each tile's epilogue multiplies its row m by row_scale[m] (with the
         scalar ``scale``). A compute warpgroup copies its tile's tile_m scales to shared
         memory by TMA before the main loop (bounded: rows from R on read as 0).
-      interpret: run under the Pallas interpreter (CPU tests; tp = 1 only: the
-        interpreter has no semaphores or remote refs).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
-    m = m_out or m  # rows of the output ('tma_add': x may carry up to 7 zero rows more)
     stacked = layer is not None
     n = w.shape[-2]
     c = config
     cta_n = 2 * c.tile_n
-    tma_add = c.reduce == "tma_add"
-    if c.reduce not in ("xla", "tma_add"):
-        raise ValueError(f"unknown reduce {c.reduce!r}")
-    if c.stream_k:
-        raise ValueError("Config.stream_k is the stacked GEMM's schedule (fp8_gemm_stream_k)")
-    if c.mma_in_flight not in (0, 1) or c.stages <= c.mma_in_flight:
-        raise ValueError(f"mma_in_flight must be 0 or 1 and below stages, got {c}")
-    if (m % c.tile_m and not (tma_add or tp == 1)) or n % cta_n or k % c.tile_k:
+    if (m % c.tile_m and tp > 1) or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={m} N={n} K={k} does not fit tiles {c}")
     has_rows = row_scale is not None
     if has_rows:
@@ -241,11 +201,10 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                          f"{addend.shape} {addend.dtype}")
     m_iters, n_iters, k_iters = -(-m // c.tile_m), n // cta_n, k // c.tile_k
     if num_sms is None:
-        num_sms = device_sm_count()
+        num_sms = device.sm_count()
     in_transforms, out_transforms = smem_transforms(c, out_dtype)
     has_addend = addend is not None
     epi_per_wg = (c.tile_m // c.epi_m) * (c.tile_n // c.epi_n)
-    entry_sync = c.entry_sync and tp > 1
 
     def body(x_ref, w_ref, scale_ref, *refs):
         refs = list(refs)
@@ -258,16 +217,14 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         if has_addend:
             addend_ref, *refs = refs
         out_ref, *recv = refs
-        recv_ref = recv[0] if (recv and not tma_add) else None
+        recv_ref = recv[0] if recv else None
         wg = lax.axis_index("wg")
         # Only a kernel that talks to peers may name the mesh axis: a mesh-axis
         # index marks the kernel as collective (and links NVSHMEM).
-        sync = PeerSync(axis_name, tp, entry_sync) if tp > 1 else None
+        sync = PeerSync(axis_name, tp) if tp > 1 else None
         dev = sync.dev if sync else None
         block = lax.axis_index("cluster_grid")
-        zero_sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if tma_add else None
         leader = (wg == 0) & (block == 0)
-        enter = sync.enter if sync else (lambda is_leader: None)
         if sync:
             sync.start(leader)
 
@@ -277,11 +234,9 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((c.tile_m, c.tile_k), lambda kk: (0, kk),
-                                transforms=in_transforms, memory_space=plgpu.SMEM,
-                                delay_release=c.mma_in_flight),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((cta_n, c.tile_k), lambda kk: (0, kk),
-                                transforms=in_transforms, memory_space=plgpu.SMEM,
-                                delay_release=c.mma_in_flight),
+                                transforms=in_transforms, memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -294,46 +249,16 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
             allocs=pipeline(ignore, compute_context=ignore).get_allocations(x_ref, w_ref),
             out_smem=plgpu.SMEM((2, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_transforms),
             barriers=plgpu.Barrier(num_barriers=2),  # the addend's sub-tile per warpgroup
-            # mma_in_flight: both compute warpgroups are done with a tile's stages.
-            **({"tile_done": plgpu.Barrier(num_arrivals=2)} if c.mma_in_flight else {}),
             # row_scale: each compute warpgroup's copy of its tile's rows' scales.
             **({"rows_smem": plgpu.SMEM((2, c.tile_m), jnp.float32),
                 "rows_bar": plgpu.Barrier(num_barriers=2)} if has_rows else {}),
             collective_axes="wg",
         )
-        def _scope(allocs, out_smem, barriers, tile_done=None, rows_smem=None, rows_bar=None):
+        def _scope(allocs, out_smem, barriers, rows_smem=None, rows_bar=None):
             # The combined dequant scale, a scalar read once (a 16 KB shared-memory tile
-            # before, which left no room for a 4th stage of 128 x 256 tiles); with a stacked
-            # w it may be the per-layer stack [L], read at the layer (no XLA slice per call).
+            # would leave no room for a 4th stage of 128 x 256 tiles); with a stacked w it
+            # may be the per-layer stack [L], read at the layer (no XLA slice per call).
             scale_val = scale_ref[0] if scale.shape[0] == 1 else scale_ref[layer_idx]
-
-            if tma_add:
-                # Zero this block's share of the output (sub-tiles j = gid, gid + 2 * num_sms, ...),
-                # then tell every device (itself included); the first reduce-add waits for all.
-                @pl.when(wg < 2)
-                def _zero_share():
-                    zero_slot = out_smem.at[wg, 0]
-                    out_smem[wg, 0] = jnp.zeros((c.epi_m, c.epi_n), out_dtype)
-                    plgpu.commit_smem()
-                    sub_m, sub_n = -(-m // c.epi_m), n // c.epi_n
-                    gid = block * 2 + wg
-                    n_mine = (sub_m * sub_n - gid + 2 * num_sms - 1) // (2 * num_sms)
-
-                    @pl.loop(0, n_mine)
-                    def _zero(i):
-                        j = gid + i * (2 * num_sms)
-                        zm, zn = j // sub_n, lax.rem(j, sub_n)
-                        plgpu.copy_smem_to_gmem(
-                            zero_slot,
-                            out_ref.at[pl.ds(zm * c.epi_m, c.epi_m), pl.ds(zn * c.epi_n, c.epi_n)])
-
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    enter(leader)  # before the first remote operation
-                    for j in range(tp):
-                        if j == 0:
-                            pl.semaphore_signal(zero_sem, 1)
-                        else:
-                            pl.semaphore_signal(zero_sem, 1, device_id=lax.rem(dev + j, tp))
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
             def _tiles(info):
@@ -354,16 +279,13 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                         eval_pipeline(acc_ref)
                         if has_rows:
                             plgpu.barrier_wait(rows_bar.at[wg])
-                        if c.mma_in_flight:
-                            plgpu.wgmma_wait(0)  # the tile's last wgmma read its stage
-                            plgpu.barrier_arrive(tile_done)
                         acc = acc_ref[...]
-                        if entry_sync and not tma_add:
+                        if sync:
                             # The first remote store of this warpgroup waits for every peer
                             # to be inside this call (cheap: ~100 us of mainloop have passed).
                             @pl.when(info.local_index == 0)
                             def _first_tile():
-                                enter(leader)
+                                sync.enter(leader)
 
                         for e in range(epi_per_wg):
                             em, en = divmod(e, c.tile_n // c.epi_n)
@@ -386,20 +308,6 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                             out_smem[wg, slot] = y.astype(out_dtype)
                             plgpu.commit_smem()
                             src = out_smem.at[wg, slot]
-                            if tma_add:
-                                if e == 0:
-                                    # Every output of every device is zeroed (cheap once true).
-                                    pl.semaphore_wait(zero_sem, value=2 * num_sms * tp,
-                                                      decrement=False)
-                                plgpu.copy_smem_to_gmem(src, out_ref.at[dst].at[e_m, e_n],
-                                                        commit_group=False, reduction_op="add")
-                                for j in range(1, tp):
-                                    peer = lax.rem(dev + j, tp)
-                                    remote = plgpu.remote_ref(out_ref, peer)
-                                    plgpu.copy_smem_to_gmem(src, remote.at[dst].at[e_m, e_n],
-                                                            commit_group=False, reduction_op="add")
-                                plgpu.commit_smem_to_gmem_group()
-                                continue
                             plgpu.copy_smem_to_gmem(src, out_ref.at[dst].at[e_m, e_n],
                                                     commit_group=False)
                             for j in range(1, tp):
@@ -412,7 +320,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                 def mma(idxs, a_smem, b_smem, acc_ref):
                     b_wg = b_smem.at[pl.ds(wg * c.tile_n, c.tile_n)]
                     plgpu.wgmma(acc_ref, a_smem, b_wg.transpose((1, 0)))
-                    plgpu.wgmma_wait(c.mma_in_flight)
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 pipeline(mma, compute_context=compute_context)(
@@ -420,13 +328,6 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
                     w_ref.at[pl.ds(ni * cta_n, cta_n), :],
                     allocations=allocs,
                 )
-                if c.mma_in_flight:
-                    # The tile's last stage is free only once both compute warpgroups have
-                    # waited on their last wgmma (right after their main loop, so the next
-                    # tile's copies still overlap this tile's epilogue).
-                    @pl.when(wg == 2)
-                    def _tile_done():
-                        plgpu.barrier_wait(tile_done)
 
         # Every copy of this block has landed: tell each peer, then wait for all of theirs.
         plgpu.wait_smem_to_gmem(0, wait_read_only=False)
@@ -434,7 +335,7 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
             sync.finish(wg < 2, leader, writers_per_device=2 * num_sms)
 
     out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-    if tp > 1 and not tma_add:
+    if tp > 1:
         out_types.append(jax.ShapeDtypeStruct((tp - 1, m, n), out_dtype))
     operands = ((x, w, scale) + ((layer,) if stacked else ())
                 + ((row_scale,) if has_rows else ())
@@ -448,13 +349,11 @@ def _kernel(x, w, scale, addend, *, axis_name, tp, out_dtype, config: Config, m_
         thread_name="wg",
         cluster=(1,),
         cluster_names=("cluster",),
-        # The name profiler traces show ('<name>_mosaic_gpu_kernel'): tp = 1 is a plain GEMM.
         kernel_name=KERNEL_NAME if tp > 1 else GEMM_KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(*operands)
-    return outs[0], (outs[1] if (tp > 1 and not tma_add) else None)
+    return outs[0], (outs[1] if tp > 1 else None)
 
 
 def _select_layer(w_fp8, layer):
@@ -468,8 +367,6 @@ def _kernel_scales(x, x_scale, w_fp8, w_scale, layer):
     """(x [M, K] e4m3, scale, rows, per_layer) as the kernels take them: x quantized per
     tensor when no x_scale is given; rows: per-row x's [R] float32 scales or None; scale:
     x's * w's, or with per-row x w's alone (a stack's [L] as it is: per_layer)."""
-    from characters_jax.parallel.fp8_linear import quantize_activation
-
     per_layer = layer is not None and jnp.ndim(w_scale) == 1
     if jnp.ndim(w_scale) != 0 and not (per_layer and w_scale.shape == (w_fp8.shape[0],)):
         raise NotImplementedError("the fused kernel takes a per-tensor weight scale (or, for "
@@ -506,9 +403,8 @@ def _reference_partial(x, w_fp8, scale, rows, per_layer, layer):
 
 def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp",
                    out_dtype=jnp.bfloat16, x_scale=None, config: Config | None = None,
-                   use_kernel: bool | None = None, num_sms: int | None = None, lead=None):
-    """All-reduced (over ``axis_name``) x @ w.T * scales (+ lead's product) (+ addend),
-    inside shard_map.
+                   use_kernel: bool | None = None, num_sms: int | None = None):
+    """All-reduced (over ``axis_name``) x @ w.T * scales (+ addend), inside shard_map.
 
     Args:
       x: [M, K] float activations (quantized here, per tensor, on the device), or
@@ -523,61 +419,29 @@ def gemm_allreduce(x, w_fp8, w_scale, *, addend=None, layer=None, axis_name="tp"
         product needs the layer's scale, sliced here).
       addend: optional [M, N] partial of this device, reduced together with the product
         (cast to out_dtype; the kernel adds it in f32 in its epilogue).
-      config: the kernel's Config (default ``DEFAULT_CONFIG``).
+      config: the kernel's tiling (default ``DEFAULT_CONFIG``).
       use_kernel: None picks the Pallas kernel where supported, else the XLA reference.
       num_sms: the kernel's persistent grid (default: every SM).
-      lead: None or (lead_x [M, K1] e4m3, lead_w [L, N, K1] e4m3 stack at the same
-        ``layer``, lead_w_scale, lead_x_scale), scaled as x and w are (per row exactly when
-        x is): its product joins x's in the stream-K kernel's accumulator (``config`` must
-        be stream-K), one GEMM for both.
     Returns:
       [M, N] out_dtype, the same on every device.
     """
     config = config or DEFAULT_CONFIG
     x, scale, rows, per_layer = _kernel_scales(x, x_scale, w_fp8, w_scale, layer)
-    if lead is not None:
-        if not config.stream_k or layer is None:
-            raise ValueError("a leading product needs stacked weights and Config.stream_k")
-        lx, lw, lw_scale, lx_scale = lead
-        lx, lscale, lrows, lead_per_layer = _kernel_scales(lx, lx_scale, lw, lw_scale, layer)
-        if (lrows is None) != (rows is None) or lx.shape[0] != x.shape[0] or lw.shape[:2] != w_fp8.shape[:2]:
-            raise ValueError("the leading product needs x's rows, the stack's [L, N] and "
-                             "per-row scales exactly when x has them")
     if use_kernel is None:
         use_kernel = is_supported()
     if not use_kernel:
         y = _reference_partial(x, w_fp8, scale, rows, per_layer, layer)
-        if lead is not None:
-            y = y + _reference_partial(lx, lw, lscale, lrows, lead_per_layer, layer)
         if addend is not None:
             y = y + addend.astype(jnp.float32)
         return lax.psum(y.astype(out_dtype), axis_name)
     tp = lax.axis_size(axis_name)
     m = x.shape[0]
-    as_vec = lambda sc, pl_: sc if pl_ else jnp.reshape(jnp.asarray(sc, jnp.float32), (1,))  # noqa: E731
-    scale1 = as_vec(scale, per_layer)
+    scale1 = scale if per_layer else jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     layer_arr = None if layer is None else jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    kw = dict(axis_name=axis_name, tp=tp, out_dtype=out_dtype, config=config, layer=layer_arr,
-              num_sms=num_sms)
-    if config.reduce == "tma_add" and not config.stream_k:
-        # TMA tiling wants rows in multiples of 8 (757 -> 760, not 768); the rest of the
-        # last tile is out of bounds (zero on load, dropped on store).  The final slice
-        # fuses into the consumer.
-        x, addend = _pad_rows(x, addend, 8, out_dtype)
-        out, _ = _kernel(x, w_fp8, scale1, addend, row_scale=rows, **kw)
-        return out[:m]
-    if config.stream_k:
-        # The stream-K kernel's TMA bounds (the kernels pad the rows' scales where needed).
-        x, addend = _pad_rows(x, addend, 8, out_dtype)
-        if lead is not None:
-            from pallas_kernels.fp8_gemm_stream_k import Product
-
-            lead = Product(_pad_rows(lx, None, 8, out_dtype)[0], lw,
-                           as_vec(lscale, lead_per_layer), lrows)
-        own, received = _stream_k(x, w_fp8, scale1, addend, row_scale=rows, lead=lead, **kw)
-    else:
-        x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
-        own, received = _kernel(x, w_fp8, scale1, addend, row_scale=rows, **kw)
+    x, addend = _pad_rows(x, addend, config.tile_m, out_dtype)
+    own, received = _kernel(x, w_fp8, scale1, addend, axis_name=axis_name, tp=tp,
+                            out_dtype=out_dtype, config=config, layer=layer_arr,
+                            num_sms=num_sms, row_scale=rows)
     total = own.astype(jnp.float32)
     if received is not None:
         total = total + received.astype(jnp.float32).sum(0)
@@ -592,32 +456,3 @@ def _pad_rows(x, addend, multiple: int, out_dtype):
     if addend is not None:
         addend = jnp.pad(addend.astype(out_dtype), pad)
     return x, addend
-
-
-def pad_row_scales(row_scale, rows: int, tile_m: int):
-    """Per-row scales [R] (1 <= R <= rows) for x's ``rows`` rows as the kernels' bounded TMA
-    copy of tile_m of them takes them: as they are when R >= min(tile_m, rows) (a tile's
-    rows past R read zeros), else zero-padded to ``rows`` (a copy larger than its whole
-    array is refused). Both GEMM kernels' launchers apply it."""
-    if not (row_scale.ndim == 1 and 1 <= row_scale.shape[0] <= rows):
-        raise ValueError(f"row_scale must be [R], 1 <= R <= {rows}, got {row_scale.shape}")
-    r = row_scale.shape[0]
-    row_scale = row_scale.astype(jnp.float32)
-    return row_scale if r >= min(tile_m, rows) else jnp.pad(row_scale, (0, rows - r))
-
-
-def _stream_k(x, w, scale, addend, *, axis_name, tp, out_dtype, config, layer, num_sms,
-              row_scale=None, lead=None):
-    """The stream-K kernel with the peer exchange: (own [Mx, N], received [tp-1, Mx, N] or
-    None at tp = 1). x [Mx, K] e4m3 (Mx a multiple of 8); w [N, K] or [L, N, K] with layer;
-    row_scale None or [R] float32, R <= Mx (the real rows' scales)."""
-    from pallas_kernels import fp8_gemm_stream_k
-
-    if layer is None:  # one weight: a stack of one (a reshape, no copy)
-        w, layer = w[None], jnp.zeros((1,), jnp.int32)
-    teams = fp8_gemm_stream_k.teams_for(x.shape[0], w.shape[-2], config,
-                                        num_sms or device_sm_count())
-    out = fp8_gemm_stream_k.kernel(x, w, scale, addend, layer, out_dtype=out_dtype,
-                                   config=config, teams=teams, axis_name=axis_name, tp=tp,
-                                   row_scale=row_scale, lead=lead)
-    return out if tp > 1 else (out, None)

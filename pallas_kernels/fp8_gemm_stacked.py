@@ -4,7 +4,7 @@ The generator runs its blocks under ``lax.scan`` with the FP8 weights stacked as
 [L, N, K] float8_e4m3fn (K-major).  ``fp8_dot(x, w_stacked[layer])`` makes XLA slice
 the layer out first, and since cuBLASLt (and any custom call) wants its operands as
 buffers of their own, that slice is a device copy of the whole [N, K] weight per block
-and pass (issue 6: 467 MB per block per GPU, ~90-130 ms of MemcpyD2D per step).
+and pass.
 
 Here the stack itself is the kernel's operand.  The layer index enters the kernel as a
 [1] int32 array; the kernel reads it (clamped to [0, L), as ``lax.dynamic_slice``
@@ -12,10 +12,10 @@ does) and indexes the GMEM ref with it, ``w_ref.at[layer]``, before the TMA copi
 TMA descriptor spans the whole stack and the layer becomes a coordinate of each copy.
 Nothing of the weight is sliced or copied by XLA.
 
-The kernel is the tp = 1 path of ``fp8_gemm_allreduce`` (the same ``_kernel``): a
-persistent grid (one block per SM), two compute warpgroups side by side along N and one
-TMA warpgroup, FP8 wgmma with the (N, K) weight tile transposed in shared memory, the
-scale applied to the f32 accumulator in the epilogue, 64x64 sub-tiles stored by TMA.
+The kernel is ``fp8_gemm_stream_k``: a persistent grid (one block per SM) on the
+stream-K schedule, two compute warpgroups side by side along N and one TMA warpgroup,
+FP8 wgmma with the (N, K) weight tile transposed in shared memory, the scale applied to
+the f32 accumulator in the epilogue, 64x64 sub-tiles stored by TMA.
 
 M: the TMA tiling of the FP8 operand needs the row count to be a multiple of 8
 (Mosaic GPU tiles the whole GMEM array in (8, 128) tiles and refuses 757 rows).  Rows
@@ -26,25 +26,22 @@ is [M, N]: the kernel writes 760 rows and ``[:M]`` fuses into the consumer.
 
 Addend: ``addend`` [M, N] (optional) is added to the scaled product in the epilogue, in
 float32, before the single rounding to out_dtype: the kernel loads each 64x64 sub-tile of
-it by TMA into the sub-tile's output buffer in shared memory.  Two products that are summed
-(attention-out + MLP-down before their all-reduce) then cost one output pass, not two
-float32 outputs and an XLA add.  The kernel takes the addend in out_dtype (it is cast);
-the reference adds it in float32.
+it by TMA into the sub-tile's output buffer in shared memory.  The kernel takes the
+addend in out_dtype (it is cast); the reference adds it in float32.
 
 Row scales: ``row_scale`` [R] float32, R <= M (optional; x quantized per row) multiplies
-row m of the product with ``scale`` in the epilogue, before the addend (both schedules);
-rows from R on are scaled by 0 (a caller that padded x's rows passes the scales of
-the real rows: the kernel's copy is bounded there, so no pad of the scales is needed).
+row m of the product with ``scale`` in the epilogue, before the addend; rows from R on
+are scaled by 0 (a caller that padded x's rows passes the scales of the real rows: the
+kernel's copy is bounded there, so no pad of the scales is needed).
 
 Leading product: ``lead`` (a ``Product``: x_fp8 [M, K1], w_stacked [L, N, K1], scale,
-row_scale, as below) is summed with x @ w.T in the same accumulator, in one kernel
-(stream-K only; ``fp8_gemm_stream_k``): the attention-out and MLP-down projections of a
-block in one call, not two with the first's bf16 output as the second's addend.
+row_scale, as below) is summed with x @ w.T in the same accumulator, in one kernel: the
+attention-out and MLP-down projections of a block in one call.
 
 Shapes: x_fp8 [M, K] e4m3, w_stacked [L, N, K] e4m3, layer [] int32 (may be traced),
 scale [] float32 (x scale * w scale, or w scale with row_scale), row_scale None or [R]
-float32 (R <= M), addend None or [M, N].  K % tile_k == 0 and
-N % (2 * tile_n) == 0 (128 and 256 by default: every characters-57b projection fits).
+float32 (R <= M), addend None or [M, N].  K % 128 == 0 and N % 256 == 0 (N % 128 == 0
+with ``NARROW_CONFIG``): every characters-57b projection fits, at every tp.
 """
 
 from __future__ import annotations
@@ -53,78 +50,36 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import fp8_gemm_allreduce as _fa
+from pallas_kernels import device
 from pallas_kernels import fp8_gemm_stream_k as _sk
+from pallas_kernels.gemm_common import Config
+from pallas_kernels.gemm_common import fits as _tiles
+from pallas_kernels.numerics import FP8
 
-FP8 = jnp.float8_e4m3fn
-Config = _fa.Config
 Product = _sk.Product
-# The data-parallel schedule (``fp8_gemm_allreduce._kernel`` at tp = 1: whole output tiles per
-# block): 128 x (2 x 128) x 128, 3 stages.
-TILES_CONFIG = Config()
-# 128 x 128 output tiles (warpgroup tiles 64 wide), 4 stages. For N a multiple of 128 but not
-# of 256 (the MLP-up projection at tp=4: N = 8064), and, data-parallel, where its tile count
-# fills the last wave of the persistent grid much better (``pick_config``).
-NARROW_TILES_CONFIG = Config(tile_n=64, stages=4)
-# How much slower NARROW_TILES_CONFIG's tiles are than TILES_CONFIG's at equal wave fill, as
-# measured at M = 757 on an H200 (BUILD_NOTES, "GEMM tilings"): 6-14% at the tp=2 shapes.
-NARROW_TILE_COST = 1.15
-# The stream-K schedule (``fp8_gemm_stream_k``), the default: 128 x 256 tiles with 4 stages
-# (the scale as a scalar leaves room for them), 128 x 128 with 6 where N does not tile by
-# 256; a cut tile's two pieces summed by TMA reduce-add in the output. Measured on an H200
-# at the tp=2 shapes (BUILD_NOTES, "Stream-K runs 7-8"): per block 0.94-0.95x the float32
-# merge and 0.95-1.01x cuBLASLt; every projection within 10% of cuBLASLt (o 1.06-1.10x).
-STREAM_K_CONFIG = Config(stream_k=True, stages=4, reduce="tma_add")
-NARROW_STREAM_K_CONFIG = Config(stream_k=True, tile_n=64, stages=6, reduce="tma_add")
-# The cut tiles merged in shared memory from a float32 partial in a GMEM workspace (the
-# default until run 7; per block 0.90-0.96x the data-parallel kernel, 0.98-1.00x cuBLASLt).
-STREAM_K_F32_CONFIG = Config(stream_k=True, stages=4)
-DEFAULT_CONFIG = STREAM_K_CONFIG
-SCHEDULES = ("stream_k", "tiles")
+# 128 x 256 output tiles with 4 stages (the scale as a scalar leaves room for them), and
+# 128 x 128 with 6 where N does not tile by 256 (the MLP-up projection at tp=4: N = 8064).
+STREAM_K_CONFIG = Config(stages=4)
+NARROW_CONFIG = Config(tile_n=64, stages=6)
 IMPLS = ("auto", "pallas", "reference", "interpret")
 INTERPRET_NUM_SMS = 2  # persistent blocks under the CPU interpreter (keeps tests fast)
 
 
 def is_supported() -> bool:
-    """The kernel needs NVIDIA Hopper (wgmma, TMA) or newer."""
-    return _fa.is_supported()
+    """The kernel needs NVIDIA Hopper (wgmma, TMA): sm_90."""
+    return device.is_hopper()
 
 
 def fits(n: int, k: int, config: Config | None = None) -> bool:
     """Whether a [*, K] x [N, K] product tiles with ``config`` (default: ``pick_config``), any M."""
-    return _fa.fits(k, n, config or pick_config(n, k))
+    return _tiles(k, n, config or pick_config(n, k))
 
 
-def wave_fill(m: int, n: int, config: Config, num_sms: int) -> float:
-    """The share of the persistent grid's block-slots that do work: output tiles /
-    (waves x num_sms), the waves rounded up (1.0: the last wave is full)."""
-    tiles = -(-m // config.tile_m) * (n // (2 * config.tile_n))
-    return tiles / (-(-tiles // num_sms) * num_sms)
-
-
-def pick_config(n: int, k: int, m: int | None = None, num_sms: int | None = None,
-                schedule: str = "stream_k") -> Config:
-    """The tiling for an [M, K] x [N, K] product.
-
-    schedule='stream_k' (default): STREAM_K_CONFIG, or NARROW_STREAM_K_CONFIG where N does
-    not tile by 256 (the stream-K schedule balances any tile count; M does not matter).
-    schedule='tiles' (data-parallel): NARROW_TILES_CONFIG where N does not tile by 256; else
-    TILES_CONFIG, unless M is given and NARROW_TILES_CONFIG's tiles fill the waves of
-    ``num_sms`` (default: the device's SMs) more than NARROW_TILE_COST times better (the qkv
-    projection at tp=2: 648 tiles fill 98% of 5 waves of 132, TILES_CONFIG's 324 82% of 3).
-    """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    wide = _fa.fits(k, n, TILES_CONFIG)
-    if schedule == "stream_k":
-        return STREAM_K_CONFIG if wide else NARROW_STREAM_K_CONFIG
-    if not wide:
-        return NARROW_TILES_CONFIG
-    if m is None:
-        return TILES_CONFIG
-    sms = num_sms or _fa.device_sm_count()
-    gain = wave_fill(m, n, NARROW_TILES_CONFIG, sms) / wave_fill(m, n, TILES_CONFIG, sms)
-    return NARROW_TILES_CONFIG if gain > NARROW_TILE_COST else TILES_CONFIG
+def pick_config(n: int, k: int) -> Config:
+    """The tiling for an [M, K] x [N, K] product: ``STREAM_K_CONFIG``, or ``NARROW_CONFIG``
+    where N does not tile by 256 (the stream-K schedule balances any tile count, so M does
+    not matter)."""
+    return STREAM_K_CONFIG if _tiles(k, n, STREAM_K_CONFIG) else NARROW_CONFIG
 
 
 def _reference_product(x_fp8, w_stacked, layer, scale, row_scale=None):
@@ -204,14 +159,9 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     for a in (x_fp8, w_stacked) + ((lead.x, lead.w) if lead is not None else ()):
         if a.dtype != FP8:
             raise ValueError(f"the kernel takes float8_e4m3fn operands, got {a.dtype}")
-    if lead is not None and not config.stream_k:
-        raise ValueError("a leading product needs the stream-K schedule (Config.stream_k)")
     if lead is not None and not fits(lead.w.shape[1], lead.w.shape[2], config):
         raise ValueError(f"lead shape N={lead.w.shape[1]} K={lead.w.shape[2]} does not fit "
                          f"tiles {config}")
-    if config.reduce != "xla" and not (config.stream_k and config.reduce == "tma_add"):
-        raise ValueError("the stacked GEMM stores its tiles (Config.reduce='xla'; with "
-                         "stream_k also 'tma_add': a cut tile's pieces summed by TMA)")
     m, k = x_fp8.shape
     _, n, _ = w_stacked.shape
     if not fits(n, k, config):
@@ -228,17 +178,11 @@ def _pallas(x_fp8, w_stacked, layer, scale, *, out_dtype, config: Config, interp
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     # A per-layer stack of scales goes in whole: the kernel reads the layer's.
     scale1 = jnp.reshape(jnp.asarray(scale, jnp.float32), (-1,))
-    sms = num_sms or (INTERPRET_NUM_SMS if interpret else _fa.device_sm_count())
-    if config.stream_k:
-        teams = _sk.teams_for(m8, n, config, sms)
-        out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
-                         config=config, teams=teams, interpret=interpret, row_scale=row_scale,
-                         lead=lead)
-    else:
-        out, _ = _fa._kernel(
-            x, w_stacked, scale1, addend, axis_name=None, tp=1, out_dtype=out_dtype,
-            config=config, layer=layer_arr, num_sms=sms, interpret=interpret,
-            row_scale=row_scale)
+    sms = num_sms or (INTERPRET_NUM_SMS if interpret else device.sm_count())
+    teams = _sk.teams_for(m8, n, config, sms)
+    out = _sk.kernel(x, w_stacked, scale1, addend, layer_arr, out_dtype=out_dtype,
+                     config=config, teams=teams, interpret=interpret, row_scale=row_scale,
+                     lead=lead)
     return out if m8 == m else out[:m]
 
 
@@ -256,24 +200,23 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     addend: None or [M, N] (any float dtype; the kernel reads it as out_dtype), added in
     float32 before the rounding to out_dtype.
     lead: None or a ``Product`` (x_fp8 [M, K1], w_stacked [L, N, K1], scale, row_scale as
-    above, row scales exactly when x has them), whose product is added: one stream-K kernel
-    over K1 + K.
+    above, row scales exactly when x has them), whose product is added: one kernel over
+    K1 + K.
     Returns [M, N] out_dtype = (x @ w_stacked[layer].T) * scale (* row_scale[:, None])
     (+ lead's product) (+ addend).
     impl: 'auto' (Pallas on Hopper when the shape tiles, reference elsewhere) | 'pallas' |
     'reference' | 'interpret' (the Pallas kernel under the Mosaic GPU interpreter, CPU).
-    config: the kernel's tiling (default ``pick_config(N, K, M)``); ``Config(stream_k=True)``
-    runs the stream-K schedule (``fp8_gemm_stream_k``).
+    config: the kernel's tiling (default ``pick_config(N, K)``).
     num_sms: the kernel's persistent grid (default: the device's SMs; 2 under the
     interpreter)."""
     _check(x_fp8, w_stacked, layer, scale, addend, row_scale)
     _check_lead(x_fp8, w_stacked, row_scale, lead)
-    config = config or pick_config(*w_stacked.shape[1:], m=x_fp8.shape[0])
+    config = config or pick_config(*w_stacked.shape[1:])
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":
         runs = uses_kernel(x_fp8, w_stacked, "auto", config) and (
-            lead is None or (config.stream_k and uses_kernel(lead.x, lead.w, "auto", config)))
+            lead is None or uses_kernel(lead.x, lead.w, "auto", config))
         impl = "pallas" if runs else "reference"
     if impl == "reference":
         return reference(x_fp8, w_stacked, layer, scale, out_dtype=out_dtype, addend=addend,

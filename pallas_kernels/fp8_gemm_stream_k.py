@@ -1,55 +1,38 @@
-"""Stream-K schedule of the stacked FP8 GEMM (Pallas Mosaic GPU, tp = 1).
+"""Stream-K schedule of the stacked FP8 GEMM (Pallas Mosaic GPU, one device).
 
-The data-parallel kernel (``fp8_gemm_allreduce._kernel`` at tp = 1) gives each of the
-persistent grid's blocks whole output tiles, so the last wave decides the time: at
-M = 757 the characters-57b projections have 216-378 tiles of 128 x 256 for 132 SMs
-(1.64-2.86 waves), and a block computes 2 or 3 tiles where 1.64 or 2.45 would do.
-Measured on an H200, the kernel's time follows waves x K steps (0.75-0.9 us per step
-and tile, BUILD_NOTES), which is why the o projection (1.64 waves) was 1.25x cuBLASLt.
-Measured (H200, BUILD_NOTES "Stream-K on the GPU", "runs 7-8"): with the float32 merge,
-per block of four projections 0.90-0.96x the data-parallel kernel and 0.98-1.00x
-cuBLASLt; its profile (benchmarks/gemm_profile.py) put the K loop at the tensor cores' peak
-(1.04-1.08x the 1,024 cycles of a 128 x 256 x 128 step) and a fixed 14-17 kcycles per
-block outside it (the merge's wait and load, the float32 partial's stores, the bf16
-stores). With the TMA reduce-add (the default) that fixed cost is 8-11 kcycles, the block
-0.94-0.95x the float32 merge and 0.95-1.01x cuBLASLt, and every projection within 10% of
-cuBLASLt (o 1.06-1.10x).
+A data-parallel GEMM gives each of the persistent grid's blocks whole output tiles, so
+the last wave decides the time: at M = 757 the characters-57b projections have 216-378
+tiles of 128 x 256 for 132 SMs (1.64-2.86 waves), and a block computes 2 or 3 tiles where
+1.64 or 2.45 would do. Stream-K cuts the work finer, along N and K, in teams.
 
-Stream-K cuts the work finer, along N and K, in teams.  A team is m_iters blocks, one
-per M tile (block c: team g = c // m_iters, M tile mi = c % m_iters); the members run the
-same schedule on their own rows, so they read the same weight tile at about the same
-time and it comes from HBM once (a first version dealt out single tiles: neighbours then
-read different K offsets of ~54 weight slabs at once, more than L2 holds, and it ran
-7-39% slower than the data-parallel kernel, BUILD_NOTES).  A team's work unit is one K
-step of one weight slab (cta_n columns); the ``n_iters * k_iters`` units are dealt out
-in order, team g taking the contiguous range [g * U // G, (g + 1) * U // G) of the U
-units (G teams).  Slab t's units are t * k_iters ... t * k_iters + k_iters - 1, so a
-range is: the end of one slab (its first segment), whole slabs, the start of another
-(its last segment).  One software pipeline runs through the whole range (the memory
-warpgroup's TMA copies do not stop at tile boundaries).  With G <= n_iters every range
-holds at least k_iters units, so a tile is cut at most once, between the blocks of
-neighbouring teams that own the same M tile (c and c + m_iters):
+A team is m_iters blocks, one per M tile (block c: team g = c // m_iters, M tile
+mi = c % m_iters); the members run the same schedule on their own rows, so they read the
+same weight tile at about the same time and it comes from HBM once (single tiles dealt
+out to neighbours read different K offsets of ~54 weight slabs at once, more than L2
+holds). A team's work unit is one K step of one weight slab (cta_n columns); the
+``n_iters * k_iters`` units are dealt out in order, team g taking the contiguous range
+[g * U // G, (g + 1) * U // G) of the U units (G teams). Slab t's units are t * k_iters
+... t * k_iters + k_iters - 1, so a range is: the end of one slab (its first segment),
+whole slabs, the start of another (its last segment). One software pipeline runs
+through the whole range (the memory warpgroup's TMA copies do not stop at tile
+boundaries). With G <= n_iters every range holds at least k_iters units, so a tile is
+cut at most once, between the blocks of neighbouring teams that own the same M tile
+(c and c + m_iters):
 
-  - the block that holds the tile's first K step ("owner", its last segment) finishes
-    the tile: scale, addend, bf16 store;
-  - the other block holds the rest as its first segment, writes that partial product
-    (float32, unscaled) to a GMEM workspace early in its run and signals a semaphore;
-    the owner, at the end of its run, waits for it (no wait in practice), loads it into
-    the now idle pipeline buffers, adds it and stores the tile.
+  - the other block holds the rest of the tile as its first segment: it scales its piece
+    and stores it as bf16 (no addend), early in its run, then signals a semaphore;
+  - the block that holds the tile's first K step ("owner", its last segment) waits for
+    the signal (no wait in practice) and stores its own piece, with the addend, by TMA
+    reduce-add (``cp.reduce.async.bulk .add``) onto it. The cut tiles round twice,
+    bf16(bf16(a) + bf16(b)). The interpreter has no TMA reduction: there the owner reads
+    the piece and adds it.
 
-``Config(reduce="tma_add")`` sums a cut tile's pieces in the output instead: the other
-block scales its piece and stores it as bf16 (no addend), then signals; the owner waits
-for the signal and stores its own piece, with the addend, by TMA reduce-add
-(``cp.reduce.async.bulk .add``).  No float32 workspace, no merge buffers and no barrier
-between the compute warpgroups; the cut tiles round twice, bf16(bf16(a) + bf16(b)).
-(The profile put the float32 path's partial stores and merge at 8 kcycles per block.)
-The interpreter has no TMA reduction: there the owner reads the piece and adds it.
-
-Shapes and dtypes (one device):
+Shapes and dtypes:
   x      [Mx, K]    float8_e4m3fn, Mx a multiple of 8 (the last M tile is TMA-bounded)
   w      [L, N, K]  float8_e4m3fn (K-major), read in place at ``layer`` ([1] int32)
-  scale  [1]        float32 (x scale * w scale, read once as a scalar: no shared memory,
-                    which leaves room for 4 stages of 128 x 256 tiles)
+  scale  [1] or [L] float32 (x scale * w scale, or w's with row scales; read once as a
+                    scalar, the layer's of a stack: no shared memory, which leaves room for
+                    4 stages of 128 x 256 tiles)
   row_scale None or [R] float32, R <= Mx: per-row scales of x, applied with
                     ``scale`` in the epilogue (each block's 128 rows, 512 bytes, copied
                     once to shared memory: a block only ever works on one M tile); rows
@@ -68,8 +51,8 @@ two products have their own scales, so the accumulator is kept in the second's u
 where a segment's K steps cross from lead's to x's (or end inside lead's), the compute
 warpgroups multiply it by lead's scale over x's, per row with row scales
 (lead.row_scale[m] * lead.scale / (row_scale[m] * scale); 0 on rows whose scale is 0, the
-padding rows), and the epilogue applies x's scales as without a lead. The partial pieces of
-cut tiles are then in the same units as their owners'.
+padding rows), and the epilogue applies x's scales as without a lead. The cut tiles'
+pieces are then in the same units as their owners'.
 """
 
 from __future__ import annotations
@@ -82,20 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_gemm_allreduce import pad_row_scales, smem_transforms
-from pallas_kernels.mgpu_sync import PeerSync, fence_proxy_async_global
+from pallas_kernels.gemm_common import pad_row_scales, smem_transforms
+from pallas_kernels.mgpu_sync import fence_proxy_async_global
 
 FP8 = jnp.float8_e4m3fn
 KERNEL_NAME = "fp8_gemm_stream_k"
-# The same kernel on tp > 1 devices, its tiles pushed to the peers (profiler traces class it
-# with the fused GEMM + all-reduce).
-ALLREDUCE_KERNEL_NAME = "fp8_gemm_allreduce_stream_k"
 COMPUTE_WGS = 2
-PART_EPI_N = 32  # float32 partial sub-tiles are epi_m x 32 (128-byte rows, as bf16's 64)
-# The compute warpgroups' named scopes in a profile (``profile_dir``): each segment's K
-# loop, the partial's stores, a whole tile's store, the owner's wait for the partial and
-# its load, the merged tile's store, the final wait for the TMA stores.
-PROFILE_SCOPES = ("mainloop", "partial", "store", "merge_wait", "merge_store", "drain")
 
 
 class Product(NamedTuple):
@@ -142,8 +117,9 @@ def team_range(team, units: int, teams: int, div=operator.floordiv):
 
 def segment(u0, u1, t, k_iters: int, maximum=max, minimum=min):
     """[kb, ke): the K steps of slab t that the range [u0, u1) holds (kb < ke when it holds
-    any). kb > 0: a partial (the team's first segment); kb == 0 and ke < k_iters: the
-    owner's cut slab (the team's last segment), finished with the next team's partial."""
+    any). kb > 0: the later piece of a cut slab (the team's first segment); kb == 0 and
+    ke < k_iters: the owner's cut slab (the team's last segment), finished onto the next
+    team's piece."""
     return maximum(u0 - t * k_iters, 0), minimum(u1 - t * k_iters, k_iters)
 
 
@@ -169,30 +145,16 @@ def has_partials(slabs: int, k_iters: int, teams: int) -> bool:
 
 
 def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
-           interpret: bool = False, profile_dir: str = "", axis_name: str = "tp", tp: int = 1,
-           row_scale=None, lead: Product | None = None):
+           interpret: bool = False, row_scale=None, lead: Product | None = None):
     """Launches the stream-K kernel: ``teams`` (``num_teams``) x m_iters blocks; returns
-    [Mx, N] (tp = 1), or (own [Mx, N], received [tp - 1, Mx, N]) on tp > 1 devices.
+    [Mx, N].
 
-    tp > 1 (inside shard_map over ``axis_name``; the fused GEMM + all-reduce,
-    ``fp8_gemm_allreduce.gemm_allreduce`` with ``Config(stream_k=True)``): every finished
-    output sub-tile is also stored into each peer's receive slot (``plgpu.remote_ref``;
-    slot of sender d on peer d + j: tp - 1 - j), under the fused kernel's entry handshake
-    and done count (``mgpu_sync.PeerSync``; ``config.entry_sync``), and the caller sums own
-    + received. A cut tile is finished as at tp = 1 before it travels: 'xla' merges the
-    float32 partial locally, so only whole tiles cross NVLink; 'tma_add' also sends the
-    later piece and reduce-adds the owner's piece onto it in every receive slot (the
-    piece's stores complete, and are signalled at system scope, before the owner adds).
-
-    config: ``fp8_gemm_allreduce.Config`` (tile_m, tile_n per compute warpgroup, tile_k,
-    stages, epi_m, epi_n, reduce: how cut tiles are summed); grid order and mma_in_flight do
-    not apply.
-    interpret: the Mosaic GPU interpreter (CPU; tp = 1). It has no semaphores and runs the blocks
+    config: the tiling (``gemm_common.Config``: tile_m, tile_n per compute
+    warpgroup, tile_k, stages, epi_m, epi_n; the grid order does not apply).
+    interpret: the Mosaic GPU interpreter (CPU). It has no semaphores and runs the blocks
     one after another: there the last block runs first and the semaphore operations are
-    left out, so every partial is written before its owner reads it (the fences and
+    left out, so every piece is written before its owner adds onto it (the fences and
     semaphores themselves are checked on the GPU only).
-    profile_dir: "" or a directory where the Mosaic GPU profiler writes a per-warpgroup
-    trace of the named scopes (PROFILE_SCOPES; benchmarks/gemm_profile.py reads it).
     lead: None or a ``Product`` summed into the same accumulator, its K steps first (module
     docstring); it has row scales exactly when x has.
     """
@@ -205,7 +167,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
     cta_n = COMPUTE_WGS * c.tile_n
     if mx % 8 or n % cta_n or k % c.tile_k:
         raise ValueError(f"shape M={mx} N={n} K={k} does not fit tiles {c}")
-    if c.tile_n % c.epi_n or c.tile_m % c.epi_m or c.epi_n % PART_EPI_N:
+    if c.tile_n % c.epi_n or c.tile_m % c.epi_m:
         raise ValueError(f"epilogue sub-tiles do not divide the tile: {c}")
     has_lead = lead is not None
     lead_k = lead.x.shape[1] if has_lead else 0
@@ -224,17 +186,6 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         raise ValueError(f"stream-K needs 1 <= teams <= N tiles ({n_iters}), got {teams}")
     ctas = teams * m_iters
     partials = has_partials(n_iters, k_iters, teams)
-    peers = tp > 1
-    if peers and interpret:
-        raise ValueError("the interpreter has no remote refs: stream-K on peers runs on GPUs only")
-    # The partials' semaphores order stores to this GPU only, unless a cut tile's piece also
-    # went to the peers (tma_add on tp > 1): then at system scope.
-    sem_scope = "sys" if peers and c.reduce == "tma_add" else "gpu"
-    if c.reduce not in ("xla", "tma_add"):
-        raise ValueError(f"stream-K merges cut tiles in shared memory ('xla') or by TMA "
-                         f"reduce-add ('tma_add'), got reduce={c.reduce!r}")
-    tma_add = partials and c.reduce == "tma_add"
-    f32_parts = partials and not tma_add  # the float32 workspace and its merge buffers
     stages = c.stages
     num_layers = w.shape[0]
     has_addend = addend is not None
@@ -244,10 +195,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         if has_lead:
             lead = lead._replace(row_scale=pad_row_scales(lead.row_scale, mx, c.tile_m))
     in_tf, out_tf = smem_transforms(c, out_dtype)
-    f32_tf = (plgpu.TilingTransform((8, PART_EPI_N)), plgpu.SwizzleTransform(128))
     epi = [(em, en) for em in range(c.tile_m // c.epi_m) for en in range(c.tile_n // c.epi_n)]
-    part_epi = [(em, en) for em in range(c.tile_m // c.epi_m)
-                for en in range(c.tile_n // PART_EPI_N)]
 
     def body(x_ref, w_ref, scale_ref, layer_ref, *refs):
         refs = list(refs)
@@ -255,23 +203,14 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         addend_ref = refs.pop(0) if has_addend else None
         lx_ref, lw_ref, lscale_ref = (refs.pop(0) for _ in range(3)) if has_lead else [None] * 3
         lrows_ref = refs.pop(0) if has_lead and has_rows else None
-        out_ref = refs.pop(0)
-        recv_ref = refs.pop(0) if peers else None
-        part_ref, stage_u, out_u, bars, *row_bufs = refs
+        out_ref, (x_smem, w_smem), out_smem, (full, empty, misc), *row_bufs = refs
         rows_smem, rows_bar, lrows_smem = (row_bufs + [None])[:3] if has_rows else [None] * 3
         layer_idx = jnp.minimum(jnp.maximum(layer_ref[0], 0), num_layers - 1)
         w_l = w_ref.at[layer_idx]
         lw_l = lw_ref.at[layer_idx] if has_lead else None
-        if f32_parts:
-            (x_smem, w_smem), pbuf = stage_u
-            out_smem, pstage = out_u
-        else:
-            (x_smem, w_smem), pbuf, out_smem, pstage = stage_u, None, out_u, None
-        full, empty, misc, *merge_bars = bars
-        pbars, both_done = merge_bars if f32_parts else (None, None)
         wg = lax.axis_index("wg")
         cta = lax.axis_index("ctas")
-        if interpret:  # blocks run in turn: the owners (lower numbers) after their partials
+        if interpret:  # blocks run in turn: the owners (lower numbers) after the pieces
             cta = ctas - 1 - cta
         team = lax.div(cta, m_iters)
         mi = cta - team * m_iters
@@ -280,10 +219,6 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         t_first, t_last = lax.div(u0, k_iters), lax.div(u1 - 1, k_iters)
         sems = (pl.get_global(plgpu.SemaphoreType.REGULAR((ctas * COMPUTE_WGS,)))
                 if partials and not interpret else None)
-        sync = PeerSync(axis_name, tp, c.entry_sync) if peers else None
-        leader = (wg == 0) & (cta == 0)
-        if sync:
-            sync.start(leader)
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
@@ -335,8 +270,8 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
             if has_rows:
                 plgpu.barrier_wait(rows_bar)
 
-            # A block whose first segment is a partial signals it after the next
-            # segment's first K step (its TMA stores have long completed by then).
+            # A block whose first segment is a cut tile's later piece signals it after the
+            # next segment's first K step (its TMA stores have long completed by then).
             first_partial = u0 - t_first * k_iters > 0
             signal_step = (t_first + 1) * k_iters - u0
             defer_signal = jnp.logical_and(first_partial, signal_step < n_steps)
@@ -346,7 +281,7 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                 if interpret:
                     return
                 fence_proxy_async_global()
-                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope=sem_scope)
+                plgpu.semaphore_signal(sems.at[cta * COMPUTE_WGS + wg], 1, memory_scope="gpu")
 
             def lead_ratio():
                 """lead's scales over x's: [tile_m, tile_n] (per row), or a scalar."""
@@ -392,23 +327,10 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                             signal_partial)
                 return acc_ref[...] if read else None
 
-            def write_partial(acc, t):
-                del t
-                for e, (em, en) in enumerate(part_epi):
-                    rows = slice(em * c.epi_m, (em + 1) * c.epi_m)
-                    cols = slice(en * PART_EPI_N, (en + 1) * PART_EPI_N)
-                    slot = e % 2
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    pstage[wg, slot] = acc[rows, cols]
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(pstage.at[wg, slot],
-                                            part_ref.at[cta, wg].at[rows, cols])
-                pl.when(jnp.logical_not(defer_signal))(signal_partial)
-
-            def store_tile(acc, ni, merged=False, with_addend=True, add=False):
-                """Scales the tile (plus the f32 partial if merged, the addend unless
-                with_addend=False) and stores it; add: TMA reduce-add onto what the output
-                holds (the neighbour's piece; the interpreter reads it and adds)."""
+            def store_tile(acc, ni, with_addend=True, add=False):
+                """Scales the tile (plus the addend unless with_addend=False) and stores
+                it; add: TMA reduce-add onto what the output holds (the neighbour's piece;
+                the interpreter reads it and adds)."""
                 m_sl = pl.ds(mi * c.tile_m, c.tile_m)
                 n_sl = pl.ds(ni * cta_n + wg * c.tile_n, c.tile_n)
                 for e, (em, en) in enumerate(epi):
@@ -418,8 +340,6 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     slot = e % 2
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                     y = acc[rows, cols]
-                    if merged:
-                        y = y + pbuf[wg, rows, cols]
                     y = y * scale
                     if has_rows:
                         rs = rows_smem[pl.ds(em * c.epi_m, c.epi_m)]
@@ -437,91 +357,50 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
                     out_smem[wg, slot] = y.astype(out_dtype)
                     plgpu.commit_smem()
                     red = {"reduction_op": "add"} if add and not interpret else {}
-                    # The own output, then (tp > 1) every peer's receive slot: one group.
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst,
-                                            commit_group=not peers, **red)
-                    if peers:
-                        for j in range(1, tp):
-                            remote = plgpu.remote_ref(recv_ref.at[tp - 1 - j], sync.peer(j))
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, slot],
-                                remote.at[m_sl, n_sl].at[rows, cols], commit_group=False, **red)
-                        plgpu.commit_smem_to_gmem_group()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst, **red)
 
             def store_first_piece(acc, t):
-                # tma_add: the cut tile's later K steps, scaled and stored as bf16 (the
-                # owner adds its piece and the addend onto it), then signalled.
+                # The cut tile's later K steps, scaled and stored as bf16 (the owner adds
+                # its piece and the addend onto it), then signalled.
                 store_tile(acc, t, with_addend=False)
                 pl.when(jnp.logical_not(defer_signal))(signal_partial)
 
             def add_onto_first_piece(acc, t):
-                # tma_add: no shared memory changes hands, so no barrier between the
-                # warpgroups: each waits for its neighbour's stored piece and adds its own.
+                # No shared memory changes hands, so no barrier between the warpgroups:
+                # each waits for its neighbour's stored piece and adds its own.
                 with jax.named_scope("merge_wait"):
                     if not interpret:
-                        src = cta + m_iters
+                        src = cta + m_iters  # the next team's block on the same M tile
                         plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
-                                             decrement=False, memory_scope=sem_scope)
+                                             decrement=False, memory_scope="gpu")
                         fence_proxy_async_global()
                 with jax.named_scope("merge_store"):
                     store_tile(acc, t, add=True)
-
-            def merge_and_store(acc, t):
-                # The pipeline buffers are idle once both warpgroups' last wgmma is done
-                # (this is the block's last segment: no copy is in flight).
-                with jax.named_scope("merge_wait"):
-                    plgpu.barrier_arrive(both_done)
-                    plgpu.barrier_wait(both_done)
-                    src = cta + m_iters  # the next team's block on the same M tile
-                    if not interpret:
-                        plgpu.semaphore_wait(sems.at[src * COMPUTE_WGS + wg], 1,
-                                             decrement=False, memory_scope=sem_scope)
-                        fence_proxy_async_global()
-                    plgpu.copy_gmem_to_smem(part_ref.at[src, wg], pbuf.at[wg], pbars.at[wg])
-                    plgpu.barrier_wait(pbars.at[wg])
-                with jax.named_scope("merge_store"):
-                    store_tile(acc, t, merged=True)
 
             @pl.loop(t_first, t_last + 1)
             def _segment(t):
                 kb, ke = segment(u0, u1, t, k_iters, jnp.maximum, jnp.minimum)
                 with jax.named_scope("mainloop"):
                     acc = mainloop(t, kb, ke)
-                if sync:  # before this warpgroup's first store: every peer is in the call
-                    pl.when(t == t_first)(lambda: sync.enter(leader))
                 if not partials:
                     with jax.named_scope("store"):
-                        store_tile(acc, t, merged=False)
+                        store_tile(acc, t)
                     return
-                first, merge = ((store_first_piece, add_onto_first_piece) if tma_add
-                                else (write_partial, merge_and_store))
-                pl.when(kb > 0)(scoped("partial", lambda: first(acc, t)))
+                pl.when(kb > 0)(scoped("partial", lambda: store_first_piece(acc, t)))
                 pl.when(jnp.logical_and(kb == 0, ke == k_iters))(
-                    scoped("store", lambda: store_tile(acc, t, merged=False)))
-                pl.when(jnp.logical_and(kb == 0, ke < k_iters))(lambda: merge(acc, t))
+                    scoped("store", lambda: store_tile(acc, t)))
+                pl.when(jnp.logical_and(kb == 0, ke < k_iters))(
+                    lambda: add_onto_first_piece(acc, t))
 
             with jax.named_scope("drain"):
                 plgpu.wait_smem_to_gmem(0)
-            if sync:  # every copy of this warpgroup has landed: tell the peers, wait for theirs
-                sync.finish(wg < COMPUTE_WGS, leader, writers_per_device=COMPUTE_WGS * ctas)
 
     x_st = plgpu.SMEM((stages, c.tile_m, c.tile_k), FP8, transforms=in_tf)
     w_st = plgpu.SMEM((stages, cta_n, c.tile_k), FP8, transforms=in_tf)
     out_st = plgpu.SMEM((COMPUTE_WGS, 2, c.epi_m, c.epi_n), out_dtype, transforms=out_tf)
-    if f32_parts:
-        stage_spec = plgpu.RefUnion(
-            (x_st, w_st),
-            plgpu.SMEM((COMPUTE_WGS, c.tile_m, c.tile_n), jnp.float32, transforms=f32_tf))
-        out_spec = plgpu.RefUnion(
-            out_st,
-            plgpu.SMEM((COMPUTE_WGS, 2, c.epi_m, PART_EPI_N), jnp.float32, transforms=f32_tf))
-    else:
-        stage_spec, out_spec = (x_st, w_st), out_st
     bars = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # full: x and w landed
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),  # empty
             plgpu.Barrier(num_barriers=COMPUTE_WGS))  # the addend's sub-tile per wg
-    if f32_parts:  # the float32 merge: the partial's load per wg, both mainloops done
-        bars += (plgpu.Barrier(num_barriers=COMPUTE_WGS), plgpu.Barrier(num_arrivals=COMPUTE_WGS))
 
     # The row scales of the block's M tile and their arrival.
     # (lead's, with a lead: both copies on the one barrier).
@@ -533,31 +412,21 @@ def kernel(x, w, scale, addend, layer, *, out_dtype, config, teams: int,
         n_in = 4 + has_addend + has_rows + (3 + has_rows if has_lead else 0)
         ins, outs = refs[:n_in], refs[n_in:]
         pl.run_scoped(lambda *scoped: body(*ins, *outs, *scoped),
-                      stage_spec, out_spec,
+                      (x_st, w_st), out_st,
                       bars, *row_bufs,
                       collective_axes="wg")
 
-    part_shape = ((ctas, COMPUTE_WGS, c.tile_m, c.tile_n) if f32_parts
-                  else (1, COMPUTE_WGS, 8, PART_EPI_N))
-    out_type = [jax.ShapeDtypeStruct((mx, n), out_dtype)]
-    if peers:
-        out_type.append(jax.ShapeDtypeStruct((tp - 1, mx, n), out_dtype))
-    outs = plgpu.kernel(
+    return plgpu.kernel(
         entry,
-        out_type=(*out_type, jax.ShapeDtypeStruct(part_shape, jnp.float32)),
+        out_type=jax.ShapeDtypeStruct((mx, n), out_dtype),
         grid=(ctas,),
         grid_names=("ctas",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        kernel_name=ALLREDUCE_KERNEL_NAME if peers else KERNEL_NAME,
+        kernel_name=KERNEL_NAME,
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-            # ranges per warpgroup: two per segment (a range has at most
-            # ceil(n_iters / teams) + 1 of them), the merge's two and the drain
-            profile_space=2 * (-(-n_iters // teams) + 1) + 4 if profile_dir else 0,
-            profile_dir=profile_dir),
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )(x, w, scale, layer, *((row_scale,) if has_rows else ()), *((addend,) if has_addend else ()),
       *((lead.x, lead.w, lead.scale) + ((lead.row_scale,) if has_rows else ())
         if has_lead else ()))
-    return (outs[0], outs[1]) if peers else outs[0]

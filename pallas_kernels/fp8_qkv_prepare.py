@@ -28,7 +28,7 @@ Shapes and dtypes (per tensor-parallel shard):
                  operand (``QuantizedQ.scales`` [H, 2, Tq'], ``fp8_attention.attention_scales``
                  of Q's row scales, this layer's K/V scales and any_valid), so the attention
                  call makes none (an XLA kernel per block pass fewer)
-  out       (QuantizedQ (parts [T, H, D] e4m3 x 1 or 2, row_scale [T, H] f32, scales), cache_k,
+  out       (QuantizedQ (parts [T, H, D] e4m3 x 2, row_scale [T, H] f32, scales), cache_k,
              cache_v)
 """
 
@@ -41,8 +41,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import (F8, F8_MAX, LOG2E, QuantizedQ, attention_scales,
-                                          padded_queries, quantize_q)
+from pallas_kernels import device
+from pallas_kernels.fp8_attention import LOG2E, QuantizedQ, attention_scales, padded_queries, quantize_q
+from pallas_kernels.numerics import FP8 as F8, FP8_MAX as F8_MAX, quantize_per_head, rms_norm, rotate
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 KERNEL_NAME = "fp8_qkv_prepare"
@@ -54,9 +55,7 @@ HEADS_PER_PROGRAM = 32
 
 def is_supported() -> bool:
     """The Triton kernel's e4m3 conversion needs an NVIDIA GPU of compute capability 8.9+."""
-    from pallas_kernels.fp8_row_quantize import is_supported as triton_fp8
-
-    return triton_fp8()
+    return device.has_fp8_conversion()
 
 
 def _split(qkv, t, heads, head_dim):
@@ -65,15 +64,12 @@ def _split(qkv, t, heads, head_dim):
 
 
 def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
-              offset, *, t: int, heads: int, eps: float, q_split: bool = True, any_valid=None):
-    """The model's code: QK-norm (``dit.rms_norm`` times the gain in qkv's dtype), RoPE
-    (``rope.rotate``), ``fp8_attention.quantize_q``, ``kv_cache.quantize`` and the
-    in-place update of the cache rows [layer, offset : offset + t]; with any_valid, the
-    attention's scales (``fp8_attention.attention_scales``)."""
-    from characters_jax.cache.kv_cache import quantize
-    from characters_jax.model.dit import rms_norm
-    from characters_jax.model.rope import rotate
-
+              offset, *, t: int, heads: int, eps: float, any_valid=None):
+    """The model's code: QK-norm (``numerics.rms_norm`` times the gain in qkv's dtype),
+    RoPE (``numerics.rotate``), ``fp8_attention.quantize_q``, the cache's
+    ``numerics.quantize_per_head`` and the in-place update of the cache rows
+    [layer, offset : offset + t]; with any_valid, the attention's scales
+    (``fp8_attention.attention_scales``)."""
     if k_scale.ndim == 2:  # the [L, H] stacks: this layer's
         k_scale, v_scale = k_scale[layer], v_scale[layer]
     d = cache_k.shape[-1]
@@ -81,9 +77,9 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
     q = rotate(rms_norm(q, eps) * q_gain.astype(qkv.dtype), (cos, sin))
     k = rotate(rms_norm(k, eps) * k_gain.astype(qkv.dtype), (cos, sin))
     start = (layer, offset, jnp.int32(0), jnp.int32(0))
-    cache_k = jax.lax.dynamic_update_slice(cache_k, quantize(k, k_scale)[None], start)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, quantize(v, v_scale)[None], start)
-    q8 = quantize_q(q, q_split)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, quantize_per_head(k, k_scale)[None], start)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, quantize_per_head(v, v_scale)[None], start)
+    q8 = quantize_q(q)
     if any_valid is not None:
         q8 = dataclasses.replace(q8, scales=attention_scales(q8.row_scale, k_scale, v_scale,
                                                              any_valid, d))
@@ -91,8 +87,7 @@ def reference(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v,
 
 
 def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref, offset_ref,
-            *refs, heads: int, hp: int, d: int, eps: float, q_split: bool, t_len: int,
-            with_scales: bool):
+            *refs, heads: int, hp: int, d: int, eps: float, t_len: int, with_scales: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -141,8 +136,7 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref
         hi = qs.astype(F8)
         idx = (tok, h, side * half + lane)
         plt.store(q_refs[0].at[idx], hi, mask=hm)
-        if q_split:
-            plt.store(q_refs[1].at[idx], (qs - hi.astype(jnp.float32)).astype(F8), mask=hm)
+        plt.store(q_refs[1].at[idx], (qs - hi.astype(jnp.float32)).astype(F8), mask=hm)
     plt.store(qrs_ref.at[t, head_ids], q_rs, mask=head_ids < heads)
 
     # K and V into the cache rows [layer, offset + t], with the layer's scales (read from the
@@ -176,8 +170,8 @@ def _kernel(qkv_ref, qg_ref, kg_ref, cos_ref, sin_ref, ks_ref, vs_ref, layer_ref
 
 
 def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer,
-                offset, *, t: int, heads: int, eps: float, q_split: bool = True,
-                any_valid=None, impl: str = "auto", num_warps: int = 4):
+                offset, *, t: int, heads: int, eps: float, any_valid=None, impl: str = "auto",
+                num_warps: int = 4):
     """(QuantizedQ, cache_k, cache_v) of the module docstring; the caches are updated in
     place by the kernel (aliased), by ``dynamic_update_slice`` in the reference. any_valid
     ([] f32, e.g. ``fp8_attention.SlotMask.any_valid``): the QuantizedQ carries the
@@ -207,18 +201,18 @@ def prepare_qkv(qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_
         impl = "pallas" if is_supported() else "reference"
     args = (qkv, q_gain, k_gain, cos, sin, k_scale, v_scale, cache_k, cache_v, layer, offset)
     if impl == "reference":
-        return reference(*args, t=t, heads=heads, eps=eps, q_split=q_split, any_valid=any_valid)
+        return reference(*args, t=t, heads=heads, eps=eps, any_valid=any_valid)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
     # Per-head scales as [L, H] stacks, read at the layer (one layer's [H] is broadcast).
     if k_scale.ndim == 1:
         stack = (cache_k.shape[0], heads)
         k_scale, v_scale = jnp.broadcast_to(k_scale, stack), jnp.broadcast_to(v_scale, stack)
     one = lambda a: jnp.reshape(jnp.asarray(a, jnp.int32), (1,))  # noqa: E731 (a bitcast)
-    parts = 2 if q_split else 1
+    parts = 2  # Q's hi and lo
     hp = min(pl.next_power_of_2(heads), HEADS_PER_PROGRAM)
     with_scales = any_valid is not None
-    kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, q_split=q_split,
-                               t_len=t, with_scales=with_scales)
+    kernel = functools.partial(_kernel, heads=heads, hp=hp, d=d, eps=eps, t_len=t,
+                               with_scales=with_scales)
     scales_out = [jax.ShapeDtypeStruct((heads, 2, padded_queries(t)), jnp.float32)] * with_scales
     extra_in = [jnp.reshape(f32(any_valid), (1,))] if with_scales else []
     n_in = 9 + with_scales  # the caches' operand indices: n_in, n_in + 1

@@ -11,18 +11,18 @@ pad costs nothing) and one scale per row (0 for the padding rows, which the GEMM
 scale to 0). Three prologues (``PROLOGUES``):
 
   'norm'  the block input: h = rms_norm(x) * (1 + scale) + shift (adaLN), the norm rounded
-          to x.dtype, h rounded to x.dtype (the model's ``modulated_norm``);
-  'gelu'  the MLP hidden: h = gelu(y) in float32, rounded to y.dtype (the model's
-          ``mlp_hidden``), read straight from the up GEMM's (row-padded) output;
+          to x.dtype, h rounded to x.dtype (``numerics.modulated_norm``, the model's);
+  'gelu'  the MLP hidden: h = gelu(y) in float32, rounded to y.dtype (``numerics.mlp_hidden``,
+          the model's), read straight from the up GEMM's (row-padded) output;
   'none'  h = x (e.g. the attention output).
 
 then scale = max(amax(h), 1e-12) / 448 and values = clip(h * (1 / scale)) -> e4m3, as
-``fp8_linear.quantize_activation(per_row=True)``. ``reference`` is that model code.
+``numerics.quantize_activation(per_row=True)``. ``reference`` is that model code.
 
 Layout: a program handles ``rows_per_program`` rows; a row is split into chunks of
-``chunk`` lanes (a power of two; the last chunk masked), all loaded up front, so a thread
-holds only its share of the real row, not of the row rounded up to a power of two (9216
-lanes -> 16384 in the first version: 44% of the registers masked).
+``chunk`` lanes (a power of two; the last chunk masked), all loaded up front and kept in
+registers, so a thread holds only its share of the real row, not of the row rounded up to
+a power of two (9216 lanes -> 16384: 44% of the registers masked).
 
 Shapes and dtypes:
   x      [Mx, D] bfloat16 (or float32), Mx >= M: rows from M on are not read
@@ -38,7 +38,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from characters_jax.parallel.fp8_linear import AMAX_FLOOR, FP8_DTYPE as FP8, FP8_MAX
+from pallas_kernels import device
+from pallas_kernels.numerics import (AMAX_FLOOR, FP8, FP8_MAX, gelu_tanh, mlp_hidden,
+                                     modulated_norm, quantize_activation)
 
 IMPLS = ("auto", "pallas", "reference", "interpret")
 PROLOGUES = ("norm", "gelu", "none")
@@ -49,19 +51,14 @@ KERNEL_NAME = "fp8_row_quantize"
 class Layout:
     """How the kernel covers the rows: ``rows_per_program`` rows per program (a power of
     two), each row in chunks of ``chunk`` lanes (a power of two; None: the row's next power
-    of two, one chunk), ``num_warps`` warps per program. ``reload``: each pass over the row
-    (the norm's sum of squares, the maximum, the quantization) is a loop over the chunks
-    that loads its chunk again (from L2 after the first), so a thread holds one chunk at a
-    time, not the row; False keeps the row in registers, read once."""
+    of two, one chunk), ``num_warps`` warps per program. The row stays in registers, read
+    once."""
 
     rows_per_program: int = 1
     chunk: int | None = 2048
     num_warps: int = 8
-    reload: bool = False
 
     def __post_init__(self):
-        if self.reload and self.chunk is None:
-            raise ValueError("Layout.reload loops over chunks: give a chunk size")
         for name in ("rows_per_program", "chunk", "num_warps"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
@@ -75,25 +72,17 @@ class Layout:
 
 
 # The default (BUILD_NOTES, "Every GEMM input quantized by one kernel", "The row-quantize
-# kernel's layout"): at 757 x 9216 in the tp=4 share's step 15.8 us a call on an H200, where
-# the first version, Layout(1, None, 8), took 20.1; within ~5% of the best layout tried at
-# every shape; reload layouts 1.2-1.5x slower.
+# kernel's layout"): at 757 x 9216 in the tp=4 share's step 15.8 us a call on an H200,
+# against 20.1 for Layout(1, None, 8); within ~5% of the best layout tried at every shape.
 DEFAULT_LAYOUT = Layout()
 
 
 def is_supported() -> bool:
     """The Triton kernel's e4m3 conversion needs an NVIDIA GPU of compute capability 8.9+."""
-    if jax.default_backend() != "gpu":
-        return False
-    try:
-        return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 8.9
-    except ValueError:
-        return False
+    return device.has_fp8_conversion()
 
 
 def _prologue_ref(prologue: str, x, shift, scale, eps):
-    from characters_jax.model.dit import mlp_hidden, modulated_norm
-
     if prologue == "norm":
         return modulated_norm(x, shift, scale, eps)
     if prologue == "gelu":
@@ -105,8 +94,6 @@ def reference(x, shift=None, scale=None, *, eps: float = 0.0, rows: int | None =
               rows_out: int | None = None, prologue: str = "norm"):
     """The model's math on the first ``rows`` (default all) rows of x: (values [rows_out, D]
     e4m3, row_scale [rows_out] f32), rows past ``rows`` zero."""
-    from characters_jax.parallel.fp8_linear import quantize_activation
-
     m = rows or x.shape[0]
     rows_out = rows_out or m
     q, s = quantize_activation(_prologue_ref(prologue, x[:m], shift, scale, eps), per_row=True)
@@ -119,8 +106,6 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    from characters_jax.model.dit import gelu_tanh
-
     if prologue == "norm":
         shift_ref, scale_ref, q_ref, s_ref = refs
     else:
@@ -130,13 +115,10 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
     valid = row_ids < m  # [r]
     dtype = x_ref.dtype
     n_chunks = -(-d // chunk)
-    memo = {}  # (kind, chunk) -> values, when the row stays in registers
+    memo = {}  # (kind, chunk) -> values: the row stays in registers
 
     def each(fn, init):
-        """fn(i, acc) folded over the chunks: a loop whose every pass loads its chunk again
-        (``Layout.reload``), or unrolled over values loaded once."""
-        if layout.reload:
-            return jax.lax.fori_loop(0, n_chunks, fn, init)
+        """fn(i, acc) folded over the chunks, unrolled over values loaded once."""
         for i in range(n_chunks):
             init = fn(i, init)
         return init
@@ -148,10 +130,7 @@ def _kernel(x_ref, *refs, m: int, d: int, rows_out: int, layout: Layout, chunk: 
         return cols, cols < d
 
     def remembered(kind, fn):
-        """fn(i) once per chunk with the row in registers; every time with reload."""
-        if layout.reload:
-            return fn
-
+        """fn(i) once per chunk: the row stays in registers."""
         def once(i):
             if (kind, i) not in memo:
                 memo[(kind, i)] = fn(i)

@@ -30,15 +30,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def engine_latents():
-    """run(cfg, options, tp=2, steps=3) -> [steps, ...] float32: a session of the generator
-    (a fixed reference image, prompt and seed), then ``steps`` steps of fixed audio."""
+    """run(cfg, tp=2, steps=3) -> (generator, [steps, ...] float32): a session of the
+    generator of ``cfg`` (its [engine] table; a fixed reference image, prompt and seed),
+    then ``steps`` steps of fixed audio."""
     import jax.numpy as jnp
     import numpy as np
 
     from characters_jax.engine.generator import DiTGenerator
 
-    def run(cfg, options, tp=2, steps=3):
-        gen = DiTGenerator(cfg, tp=tp, options=options)
+    def run(cfg, tp=2, steps=3):
+        gen = DiTGenerator(cfg, tp=tp)
         rs = np.random.RandomState(0)
         gen.start_session(rs.randn(cfg.video.grid_h, cfg.video.grid_w,
                                    cfg.model.latent_channels).astype(np.float32),

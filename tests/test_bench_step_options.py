@@ -1,4 +1,4 @@
-"""benchmarks/bench_step_options.py on CPU: the step compiled under two option sets from one
+"""tools/bench_step_options.py on CPU: the step compiled under two option sets from one
 lowering, the same latent from the same state, its report and JSON; bad sets rejected."""
 
 import json
@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+                                "tools"))
 import bench_step_options  # noqa: E402
 
 

@@ -60,3 +60,43 @@ def test_heads_not_divisible_by_tp():
 def test_unknown_config_lists_known():
     with pytest.raises(ConfigError, match="tiny"):
         load_config("nonexistent")
+
+
+@pytest.mark.parametrize("table,field", [
+    ('[engine]\nattention = "flash"', "engine.attention"),
+    ('[engine]\nreduce = "nccl"', "engine.reduce"),
+    ('[engine]\nkernels = "gemm+cublas"', "engine.kernels"),
+    ('[engine]\nkernels = "gemm+gemm"', "engine.kernels"),
+    ('[engine]\nkernels = ["gemm"]', "engine.kernels"),
+    ('[engine]\nfused = true', "engine.fused"),
+])
+def test_invalid_engine_table_names_the_field(tmp_path, table, field):
+    path = tmp_path / "bad.toml"
+    path.write_text(table + "\n")
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(str(path))
+
+
+def test_engine_table_and_its_overrides():
+    """The bundled configs carry an [engine] table; the command line's flags override it
+    and the cache's mode and dtype, and a bad value names its field."""
+    import argparse
+
+    from characters_jax.config import add_engine_arguments, with_engine_arguments
+
+    cfg = load_config("tiny")
+    assert (cfg.engine.attention, cfg.engine.reduce, cfg.engine.kernels) == ("auto", "auto", "auto")
+    assert cfg.engine.kernel_set() is None
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--reduce", "ppermute", "--kernels", "gemm+qkv", "--cache-mode", "launch"])
+    out = with_engine_arguments(cfg, args)
+    assert (out.engine.reduce, out.engine.kernel_set(), out.cache.mode) == (
+        "ppermute", frozenset({"gemm", "qkv"}), "launch")
+    assert out.engine.attention == "auto" and out.cache.dtype == cfg.cache.dtype
+    assert with_engine_arguments(cfg, parser.parse_args([])) == cfg
+    with pytest.raises(ConfigError, match="cache.dtype"):
+        with_engine_arguments(cfg, parser.parse_args(["--cache-dtype", "int4"]))
+    with pytest.raises(ConfigError, match="engine.kernels"):
+        with_engine_arguments(cfg, parser.parse_args(["--kernels", "all"]))
+

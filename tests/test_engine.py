@@ -12,7 +12,6 @@ from characters_jax.cache import kv_cache as kvc
 from characters_jax.config import load_config
 from characters_jax.measure.bench import reset_steps
 from characters_jax.engine.generator import DiTGenerator
-from characters_jax.engine.step import EngineOptions
 
 CFG = load_config("tiny")
 STEPS = 100
@@ -71,7 +70,7 @@ def test_tensor_parallel_sizes_agree():
     """tp=2 (psum) and tp=4 (the ppermute ring) give tp=1's frames to float32 rounding.
     (psum at tp=4: test_row_parallel's psum-4 cases and the numerics tests' base run.)"""
     outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2)}
-    ppermute = run_session(DiTGenerator(CFG, tp=4, cache_dtype="float32", options=EngineOptions(reduce="ppermute")), 12)
+    ppermute = run_session(DiTGenerator(CFG.replace(engine={"reduce": "ppermute"}), tp=4, cache_dtype="float32"), 12)
     assert rel(outs[2], outs[1]) <= 1e-5
     assert rel(ppermute, outs[1]) <= 1e-5
 
@@ -159,105 +158,38 @@ def test_bad_session_inputs_are_rejected():
 
 
 def test_fused_reduction_by_name_needs_fp8_weights():
-    """reduce='pallas' / 'pallas-stream-k' named for float weights: a ConfigError at
-    construction, not an error from inside the first trace."""
+    """reduce='pallas' named for float weights: a ConfigError at construction, not an
+    error from inside the first trace."""
     from characters_jax.config import ConfigError
 
     assert CFG.model.weight_dtype != "fp8"
-    for method in ("pallas", "pallas-stream-k"):
-        with pytest.raises(ConfigError, match="weight_dtype"):
-            DiTGenerator(CFG, tp=2, options=EngineOptions(reduce=method))
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        DiTGenerator(CFG.replace(engine={"reduce": "pallas"}), tp=2)
 
 
 def test_stacked_gemm_reads_the_same_weights():
-    """gemm='stacked' (projection weights read in place from the layer stack) computes the
-    same step as the per-layer slices of the scan; FP8 weights, bf16 activations. With
+    """kernels='gemm' (projection weights read in place from the layer stack; the stacked
+    GEMM's reference off Hopper) computes the same step as the per-layer slices of the
+    scan; FP8 weights, bf16 activations. With
     activations quantized per row (model.activation_scale='row') the step moves, by about
     FP8's rounding."""
     cfg = CFG.replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})
 
-    def run(options, cfg=cfg):
-        gen = DiTGenerator(cfg, tp=2, options=options)
+    def run(kernels, cfg=cfg):
+        gen = DiTGenerator(cfg.replace(engine={"kernels": kernels}), tp=2)
         rs = np.random.RandomState(0)
         gen.start_session(rs.randn(CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels).astype(np.float32), list(b"hi"), seed=1)
         audio = rs.randn(6, CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim).astype(np.float32)
         return np.stack([np.asarray(gen.step(jnp.asarray(a))) for a in audio])
 
-    sliced = run(EngineOptions())
-    stacked = run(EngineOptions(gemm="stacked"))
+    sliced = run("none")
+    stacked = run("gemm")
     assert np.isfinite(stacked).all()
     assert rel(stacked, sliced) <= 1e-3
-    by_row = run(EngineOptions(gemm="stacked"), cfg.replace(model={"activation_scale": "row"}))
+    by_row = run("gemm", cfg.replace(model={"activation_scale": "row"}))
     assert np.isfinite(by_row).all()
     print(f"per-row vs per-tensor activation scales: {rel(by_row, stacked):.2e}")
     assert 1e-4 < rel(by_row, stacked) < 5e-2
-
-
-def test_transposed_v_cache_is_the_same_step():
-    """v_cache='transposed' (V stored as the Pallas kernel's V^T [L, H, D, S'], written by
-    16-aligned windows) gives bit-identical frames to the plain [L, S, H, D] cache on CPU,
-    where the reference attention undoes the layout; 7 steps at tp=2 wrap the 6-frame ring
-    and write frames at unaligned slots."""
-
-    def run(v_cache):
-        gen = DiTGenerator(CFG, tp=2, options=EngineOptions(v_cache=v_cache))
-        rs = np.random.RandomState(0)
-        gen.start_session(rs.randn(CFG.video.grid_h, CFG.video.grid_w, CFG.model.latent_channels).astype(np.float32), list(b"hello"), seed=3)
-        audio = rs.randn(7, CFG.model.audio_tokens_per_step, CFG.model.audio_feature_dim).astype(np.float32)
-        return gen, np.stack([np.asarray(gen.step(jnp.asarray(a))) for a in audio])
-
-    gen_t, frames_t = run("transposed")
-    layout = gen_t.engine.layout
-    assert layout.v_transposed and gen_t.state.cache.v.shape == layout.v_shape()
-    assert layout.v_shape()[1:3] == (CFG.model.num_heads, CFG.model.head_dim)
-    assert layout.sink_slots % 16 or layout.tokens_per_step % 16  # unaligned windows happen
-    gen_p, frames_p = run("plain")
-    assert not gen_p.engine.layout.v_transposed
-    np.testing.assert_array_equal(frames_t, frames_p)
-    # The stored V^T is the plain cache's V, transposed, for every block and slot.
-    from pallas_kernels.fp8_attention import transpose_v
-    v_plain = gen_p.state.cache.v
-    np.testing.assert_array_equal(np.asarray(gen_t.state.cache.v), np.asarray(transpose_v(v_plain)))
-    assert not DiTGenerator(CFG, tp=1).engine.layout.v_transposed  # 'auto' off Hopper: plain
-    with pytest.raises(ValueError, match="v_cache"):
-        EngineOptions(v_cache="hds")
-    with pytest.raises(ValueError, match="ring"):
-        import dataclasses
-        dataclasses.replace(layout, mode="launch")
-
-
-def test_v_cache_default_is_plain():
-    """The default stores V plain (the V^T cache's write measured slower than the
-    transposes it saves, BUILD_NOTES); only 'transposed' asks for V^T."""
-    from characters_jax.engine.step import Engine
-    from characters_jax.parallel.sharding import make_mesh
-
-    assert not Engine(CFG, make_mesh(2), EngineOptions()).layout.v_transposed
-    assert Engine(CFG, make_mesh(2), EngineOptions(v_cache="transposed")).layout.v_transposed
-
-
-@pytest.mark.parametrize("offset,t", [(0, 37), (5, 40), (16, 32), (1246, 757), (5031, 757), (250, 6)])
-def test_transposed_v_write_touches_only_its_slots(offset, t):
-    """The V^T window write at aligned, unaligned and end-clamped offsets (the 57b sink at
-    1246, its last frame at 5031 of 5788 slots -> 5888): the new slots equal the transposed,
-    permuted values; every other byte of every block is unchanged."""
-    from characters_jax.cache import kv_cache as kvc
-    from pallas_kernels.fp8_attention import transpose_v
-
-    s = max(offset + t, 300) if offset < 5000 else 5788
-    s_pad = -(-s // 128) * 128
-    rs = np.random.RandomState(offset + t)
-    vt = jnp.asarray(rs.randint(0, 256, (2, 3, 128, s_pad)).astype(np.uint8))
-    v_new = jnp.asarray(rs.randint(0, 256, (t, 3, 128)).astype(np.uint8))
-    out = np.asarray(jax.jit(kvc._write_v_transposed)(vt, jnp.int32(1), jnp.int32(offset), v_new))
-    want = np.asarray(vt).copy()
-    # The slot held at each position of V^T: transpose_v of the slot numbers themselves.
-    ids = np.asarray(transpose_v(jnp.arange(s_pad, dtype=jnp.int32).reshape(s_pad, 1, 1)))[0, 0]
-    for pos, slot in enumerate(ids):
-        if offset <= slot < offset + t:
-            want[1, :, :, pos] = np.asarray(v_new)[slot - offset]
-    assert (want != np.asarray(vt)).any()
-    np.testing.assert_array_equal(out, want)
 
 
 def test_in_place_scan_keeps_projection_weights_whole():
@@ -270,19 +202,30 @@ def test_in_place_scan_keeps_projection_weights_whole():
     names = {tuple(str(p) for p in path) for path, _ in nnx.to_flat_state(whole)}
     assert names == {(proj, leaf) for proj in ("qkv", "out", "up", "down") for leaf in ("w", "w_scale")}
     assert all(v.get_value().shape[0] == CFG.model.num_blocks for _, v in nnx.to_flat_state(sliced))
-    with pytest.raises(ValueError, match="gemm"):
-        EngineOptions(gemm="cublas")
+    from characters_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.kernels"):
+        CFG.replace(engine={"kernels": "cublas"})
+    with pytest.raises(ConfigError, match="model.weight_dtype='fp8'"):
+        DiTGenerator(CFG.replace(engine={"kernels": "gemm"}), tp=1)
 
 
 def test_noise_ulp_nudge_moves_each_element_by_one_ulp():
-    from characters_jax.engine.step import nudge_noise_ulp
+    """The numerics harness's noise transform moves every nonzero noise element by one
+    float32 ulp, and the engine applies a noise transform to every step's noise."""
+    from characters_jax.engine.step import Engine
+    from characters_jax.numerics.runs import noise_ulp_nudge, nudge_noise_ulp
+    from characters_jax.parallel.sharding import make_mesh
 
     x = jax.random.normal(jax.random.key(0), (1000,), jnp.float32).at[3].set(0.0)
     y = nudge_noise_ulp(x, jax.random.key(1))
     d = np.abs(np.asarray(y).view(np.int32).astype(np.int64) - np.asarray(x).view(np.int32).astype(np.int64))
     assert d[3] == 0 and (np.delete(d, 3) == 1).all()
-    a = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32"), 3)
-    b = run_session(DiTGenerator(CFG, tp=1, cache_dtype="float32", options=EngineOptions(noise_ulp_seed=5)), 3)
+    cfg = CFG.replace(cache={"dtype": "float32"})
+    gen = DiTGenerator(cfg, tp=1)
+    a = run_session(gen, 3)
+    gen.engine = Engine(cfg, make_mesh(1), noise_transform=noise_ulp_nudge(5))
+    b = run_session(gen, 3)
     assert 0 < rel(b, a) < 1e-5
 
 

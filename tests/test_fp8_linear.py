@@ -30,7 +30,7 @@ def _inputs(seed, m=37, k=96, n=80):
 
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_linear_fp8_matches_float_reference(per_channel):
-    x, w = _inputs(np.random.SeedSequence().entropy % 2**31)
+    x, w = _inputs(401)
     wq = quantize_weight(w, per_channel=per_channel)
     assert wq.values.dtype == FP8_DTYPE and wq.values.shape == w.shape
     assert wq.scale.shape == ((w.shape[0],) if per_channel else ())
@@ -39,25 +39,25 @@ def test_linear_fp8_matches_float_reference(per_channel):
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(out, np.float32)).all()
     # Two e4m3 roundings (3 mantissa bits each) and a bf16 output.
-    assert _rel_err(out, ref) < 6e-2
+    assert _rel_err(out, ref) < 6e-2, "seed 401"
 
 
 def test_linear_float_weight_and_batch_dims():
-    x, w = _inputs(np.random.SeedSequence().entropy % 2**31)
+    x, w = _inputs(402)
     x3 = x.reshape(1, *x.shape)
     out = linear(x3, w, out_dtype=jnp.float32)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     assert out.shape == (1, *ref.shape)
-    assert _rel_err(out[0], ref) < 1e-2
+    assert _rel_err(out[0], ref) < 1e-2, "seed 402"
 
 
 def test_quantize_activation_scale_and_saturation():
-    x = jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31), (16, 64)) * 30
+    x = jax.random.normal(jax.random.key(403), (16, 64)) * 30
     xq, s = jax.jit(quantize_activation)(x)
     assert xq.dtype == FP8_DTYPE and s.shape == () and s.dtype == jnp.float32
     np.testing.assert_allclose(float(s), float(jnp.max(jnp.abs(x))) / 448.0, rtol=1e-6)
     assert np.isfinite(np.asarray(xq, np.float32)).all()
-    assert _rel_err(xq.astype(jnp.float32) * s, x) < 5e-2
+    assert _rel_err(xq.astype(jnp.float32) * s, x) < 5e-2, "seed 403"
     xz, sz = quantize_activation(jnp.zeros((4, 8)))
     assert np.isfinite(float(sz)) and not np.asarray(xz, np.float32).any()
 
@@ -70,7 +70,7 @@ def _wide_rows(seed, m=40, k=96, n=80):
 
 
 def test_quantize_activation_per_row():
-    seed = np.random.SeedSequence().entropy % 2**31
+    seed = 404
     x, _ = _wide_rows(seed)
     xq, s = jax.jit(lambda x: quantize_activation(x, per_row=True))(x)
     assert xq.dtype == FP8_DTYPE and s.shape == (x.shape[0],) and s.dtype == jnp.float32
@@ -91,7 +91,7 @@ def test_linear_with_row_scales_keeps_small_rows(stacked):
     smallest subnormal (rows 10^-6 of the largest): every row of the product is accurate
     with 'row'; with 'tensor' the smallest rows are lost (so the test can tell them apart).
     Stacked weights: the stacked GEMM's reference path with the rows' scales."""
-    seed = np.random.SeedSequence().entropy % 2**31
+    seed = 405
     x, w = _wide_rows(seed)
     wq = quantize_weight(w)
     if stacked:
@@ -149,10 +149,8 @@ def test_fp8_gemm_keeps_the_weight_fp8_on_gpu(m):
     an XLA GEMM fusion) is fed the f8e4m3fn weight. A dequantize-pattern scale form
     (convert(f8)->bf16 * scalar on both operands) failed this test on the H200 (jax
     0.11.2): XLA materialized a bf16 [N, K] weight and ran a bf16 cuBLASLt GEMM, as it
-    had inside the scanned step (BUILD_NOTES issue 6 run A); that form was removed. A
-    first version of this test at K=512, N=1024 failed on the H200 for a shape reason:
-    XLA picked a Triton GEMM fusion there that multiplies the scale into the FP8 tiles
-    itself."""
+    did inside the scanned step (BUILD_NOTES). The shape matters: at K=512, N=1024 XLA
+    picks a Triton GEMM fusion that multiplies the scale into the FP8 tiles itself."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU")
     k, n = 4608, 9216

@@ -79,6 +79,10 @@ def test_unavailable_variants_are_skipped_with_a_note(harness):
     setup, ref = harness
     traj = H.run_variant(setup, "fused-reduce", ref.base_frames)
     assert traj.skipped and "Hopper" in traj.note
+    from pallas_kernels import fp8_row_quantize
+    if not fp8_row_quantize.is_supported():  # a named kernel that cannot run: its reason
+        kernels = H.run_variant(setup, "quant-kernels", ref.base_frames)
+        assert kernels.skipped and "engine.kernels 'quant'" in kernels.note, kernels.note
     row, report = verdict(harness, traj)
     assert report.flagged == []  # skipped is not flagged
     assert "skipped" in rep.table(report)
@@ -135,7 +139,7 @@ def test_fp8_grid_snap_makes_weight_quantization_exact():
     from characters_jax.config import load_config
     from characters_jax.numerics import runs as R
 
-    engine = R.make_engine(R.reference_config(load_config("tiny"), "bf16"), 1, R.REFERENCE)
+    engine = R.make_engine(R.reference_config(load_config("tiny"), "bf16"), 1)
     params = engine.init_params(jax.random.key(0))
     snapped = R.snap_to_fp8_grid(params)
     flat = lambda p: {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_flatten_with_path(p)[0]}
@@ -155,14 +159,18 @@ def test_fp8_grid_snap_makes_weight_quantization_exact():
 
 
 def test_variants_reach_the_engine_options():
-    """Each variant's engine runs what the variant names (the chained ablation included)."""
+    """Each variant's engine runs what the variant names; the production variant runs the
+    config's [engine] table as given (here with an override)."""
     from characters_jax.config import load_config
     from characters_jax.numerics import runs as R
 
-    ref = R.reference_config(load_config("tiny"), "bf16")
-    for name in ("stacked-gemm-row", "stacked-gemm-row-chained", "ppermute"):
-        v = R.VARIANTS[name]
-        opts = R.make_engine(R.variant_config(ref, v), 1, v).options
-        assert (opts.reduce, opts.gemm, opts.out_down) == (v.reduce, v.gemm, v.out_down), name
-    assert R.VARIANTS["stacked-gemm-row-chained"].out_down == "chained"
-    assert R.VARIANTS["stacked-gemm-row"].out_down == "joined"
+    tiny = load_config("tiny")
+    ref = R.reference_config(tiny, "bf16")
+    assert (ref.engine.attention, ref.engine.reduce, ref.engine.kernels) == ("reference", "psum", "none")
+    for name, want in (("stacked-gemm-row", ("psum", "gemm")), ("ppermute", ("ppermute", "none"))):
+        opts = R.make_engine(R.variant_config(ref, R.VARIANTS[name]), 1).options
+        assert (opts.reduce, opts.kernels) == want, name
+    given = tiny.replace(engine={"reduce": "ppermute"}, cache={"dtype": "bf16"})
+    prod = R.variant_config(ref, R.VARIANTS["production"], given)
+    assert prod.engine == given.engine and prod.cache == given.cache
+    assert prod.model.weight_dtype == "fp8"

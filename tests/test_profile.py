@@ -141,29 +141,3 @@ def test_breakdown_nesting_overlap_and_gaps():
     assert b["overlap_ms"] == pytest.approx(200e-6)
     assert b["launch_gap_ms"] == pytest.approx(0.002 - 800e-6)
     assert "collective" in format_breakdown(b)
-
-
-def test_mgpu_trace_summary_on_a_synthetic_trace(tmp_path):
-    """benchmarks/_common.summarize_mgpu_trace: per-scope time per role, the spans and the
-    CTAs' start and end spread, on two CTAs of three warpgroups (the last one: memory)."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-    from _common import summarize_mgpu_trace
-
-    def rng(tid, name, b, e):
-        return [{"tid": tid, "name": name, "ph": "B", "ts": b}, {"tid": tid, "name": name, "ph": "E", "ts": e}]
-
-    events = (rng(1, "mainloop", 0, 10) + rng(1, "store", 10, 12) + rng(2, "mainloop", 1, 11)
-              + rng(3, "fill", 0, 3)  # CTA 0
-              + rng(4, "mainloop", 5, 25) + rng(5, "mainloop", 5, 26) + rng(5, "merge_wait", 26, 30)
-              + rng(6, "fill", 4, 6))  # CTA 1
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    r = summarize_mgpu_trace(str(path), 3)
-    assert r["ctas"] == 2
-    assert r["compute_kcyc_per_wg"] == {"mainloop": (10 + 10 + 20 + 21) / 4, "store": 2 / 4, "merge_wait": 4 / 4}
-    assert r["compute_calls_per_wg"]["mainloop"] == 1.0
-    assert r["memory_kcyc"] == {"fill": (3 + 2) / 2}
-    assert r["span_kcyc"] == (12 + 26) / 2  # CTA 0: 0..12, CTA 1: 4..30
-    assert (r["kernel_span_kcyc"], r["start_spread_kcyc"], r["end_spread_kcyc"]) == (30, 4, 18)

@@ -65,10 +65,10 @@ def _run(mesh, xs, ws, method, fp8, act_scale="tensor"):
 @pytest.mark.parametrize("method", ["psum", "ppermute"])
 def test_row_parallel_float_weights(tp, method):
     mesh = _mesh(tp)
-    xs, ws, ref = _problem(np.random.SeedSequence().entropy % 2**31, tp)
+    xs, ws, ref = _problem(101, tp)
     out = _run(mesh, xs, ws, method, fp8=False)
     assert out.shape == ref.shape and out.dtype == jnp.bfloat16
-    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(out, ref) < 1e-2, "seed 101"
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -76,20 +76,20 @@ def test_row_parallel_float_weights(tp, method):
 def test_row_parallel_fp8_two_pairs_one_reduction(tp, method):
     """Attention-out + MLP-down summed, then reduced once."""
     mesh = _mesh(tp)
-    xs, ws, ref = _problem(np.random.SeedSequence().entropy % 2**31, tp, m=29, ks=(16, 40), n=32)
+    xs, ws, ref = _problem(102, tp, m=29, ks=(16, 40), n=32)
     out = _run(mesh, xs, ws, method, fp8=True)
     assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert _rel_err(out, ref) < 6e-2
+    assert _rel_err(out, ref) < 6e-2, "seed 102"
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas", "pallas-stream-k"])
+@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas"])
 def test_row_scales_keep_small_rows(tp, method):
     """act_scale='row': the two-pair reduction with rows whose magnitudes span 10^-6 .. 1 is
     accurate row by row (the fused methods run their XLA fallback on CPU); one scale per
     tensor loses the smallest rows (the check can fail)."""
     mesh = _mesh(tp)
-    seed = np.random.SeedSequence().entropy % 2**31
+    seed = 103
     xs, ws, _ = _problem(seed, tp, m=29, ks=(16, 40), n=32)
     mags = np.logspace(-6, 0, 29)[:, None]
     xs = [(x.astype(jnp.float32) * mags).astype(jnp.bfloat16) for x in xs]
@@ -102,7 +102,7 @@ def test_row_scales_keep_small_rows(tp, method):
 
 
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas", "pallas-stream-k"])
+@pytest.mark.parametrize("method", ["psum", "ppermute", "pallas"])
 def test_prequantized_activation_with_padding_rows(tp, method):
     """An x that arrives quantized per row with zero padding rows (as the fused
     quantization kernels give it: 29 rows -> 32, scales of the padding rows 0) beside a
@@ -110,7 +110,7 @@ def test_prequantized_activation_with_padding_rows(tp, method):
     from characters_jax.parallel.fp8_linear import Fp8Activation, quantize_activation
 
     mesh = _mesh(tp)
-    seed = np.random.SeedSequence().entropy % 2**31
+    seed = 104
     xs, ws, ref = _problem(seed, tp, m=29, ks=(16, 40), n=32)
     weights = [quantize_weight(w) for w in ws]
     w_spec = type(weights[0])(values=P(None, "tp"), scale=P())
@@ -142,7 +142,7 @@ def test_prequantized_activation_with_padding_rows(tp, method):
 @pytest.mark.parametrize("method", ["psum", "ppermute"])
 def test_reduce_of_partial(tp, method):
     mesh = _mesh(tp)
-    parts = jax.random.normal(jax.random.key(np.random.SeedSequence().entropy % 2**31), (tp, 13, 24))
+    parts = jax.random.normal(jax.random.key(105), (tp, 13, 24))
     f = jax.jit(jax.shard_map(
         lambda p: row_parallel.reduce(p[0], method=method), mesh=mesh,
         in_specs=P("tp"), out_specs=P(), check_vma=False))
@@ -222,7 +222,7 @@ def test_stacked_weights_give_the_sliced_result(tp, method):
     per-layer slices' numbers (to one rounding of a bf16 partial), for every method ('pallas' runs its XLA fallback
     on CPU), and match float math."""
     mesh = _mesh(tp)
-    seed = np.random.SeedSequence().entropy % 2**31
+    seed = 106
     xs, stacks, ref = _stacked_problem(seed, tp)
     out = _run_layers(mesh, xs, stacks, method, stacked=True)
     sliced = _run_layers(mesh, xs, stacks, method, stacked=False)
@@ -264,8 +264,10 @@ def _lower_block_for_cuda(monkeypatch, method, tp=2, m=757, ko=128, kd=256, n=51
     def body(xs, stacks):
         def step(c, l):
             ws = [Fp8Weight(values=s.values, scale=s.scale, layer=l) for s in stacks]
+            if not join:  # attention-out's layer as another tracer: not joinable
+                ws[0] = Fp8Weight(values=ws[0].values, scale=ws[0].scale, layer=l + 0)
             y = row_parallel.row_parallel_matmul_reduce(list(zip(xs, ws)), method=method,
-                                                        act_scale=act_scale, join=join)
+                                                        act_scale=act_scale)
             return c + y[0, 0].astype(jnp.float32), None
         return lax.scan(step, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
 
@@ -338,23 +340,7 @@ def test_stacked_pallas_at_tp1_runs_the_stream_k_gemms(monkeypatch):
     assert "tensor<760x512xbf16>" in sigs[1].split("->")[0]  # the addend chain
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_pallas_stream_k_method_runs_the_stream_k_exchange(monkeypatch, tp):
-    """'pallas-stream-k': attention-out from the stacked kernel, then MLP-down on the
-    stream-K kernel with the peer exchange (its receive buffer [tp - 1, 760, N]), the
-    own + received sum after it; no all-reduce, no weight slice."""
-    from pallas_kernels import fp8_gemm_stream_k
-
-    text = _lower_block_for_cuda(monkeypatch, "pallas-stream-k", tp=tp)
-    calls = _calls(text)
-    assert len(calls) == 2
-    assert fp8_gemm_stream_k.ALLREDUCE_KERNEL_NAME in text
-    assert f"tensor<{tp - 1}x760x512xbf16>" in calls[1].rsplit("->", 1)[-1]
-    assert "all_reduce" not in text
-    assert _no_weight_slices(text)
-
-
-@pytest.mark.parametrize("method,tp", [("psum", 1), ("psum", 2), ("pallas", 2), ("pallas-stream-k", 2)])
+@pytest.mark.parametrize("method,tp", [("psum", 1), ("psum", 2), ("pallas", 2)])
 def test_row_scales_reach_the_fused_and_stacked_kernels(monkeypatch, method, tp):
     """act_scale='row' on Hopper: every GEMM kernel takes the rows' scales (a [757] float32
     operand: the 757 real rows of the 760 or 768 it multiplies, not padded), the
@@ -372,14 +358,12 @@ def test_row_scales_reach_the_fused_and_stacked_kernels(monkeypatch, method, tp)
 
 
 @pytest.mark.parametrize("method,tp,act_scale", [("psum", 1, "row"), ("psum", 2, "tensor"),
-                                                 ("pallas", 1, "row"),
-                                                 ("pallas-stream-k", 2, "row"),
-                                                 ("pallas-stream-k", 3, "tensor")])
+                                                 ("pallas", 1, "row")])
 def test_joined_out_down_is_one_gemm(monkeypatch, method, tp, act_scale):
-    """join=True (the default): attention-out leads MLP-down in one stream-K kernel that
-    takes both stacks whole (and both rows' scales): one Mosaic call per block, no bf16
-    partial between two GEMMs; 'pallas-stream-k' at tp > 1 in the exchange kernel itself.
-    The data-parallel fused kernel ('pallas' at tp >= 2) does not join."""
+    """Attention-out and MLP-down at the same layer (the model's block): attention-out
+    leads MLP-down in one stream-K kernel that takes both stacks whole (and both rows'
+    scales): one Mosaic call per block, no bf16 partial between two GEMMs. The fused
+    kernel ('pallas' at tp >= 2) takes attention-out as its addend instead."""
     from pallas_kernels import fp8_gemm_stream_k
 
     text = _lower_block_for_cuda(monkeypatch, method, tp=tp, act_scale=act_scale, join=True)
@@ -390,9 +374,7 @@ def test_joined_out_down_is_one_gemm(monkeypatch, method, tp, act_scale):
     assert "tensor<760x128xf8E4M3FN>" in ins and "tensor<760x256xf8E4M3FN>" in ins
     if act_scale == "row":
         assert ins.count("tensor<757xf32>") == 2, ins
-    exchange = method == "pallas-stream-k" and tp > 1
-    assert (fp8_gemm_stream_k.ALLREDUCE_KERNEL_NAME if exchange
-            else fp8_gemm_stream_k.KERNEL_NAME) in text
+    assert fp8_gemm_stream_k.KERNEL_NAME in text
     if tp > 1:  # (at tp = 1 a psum of one device is dropped by XLA, later)
         assert ("all_reduce" in text) == (method == "psum")
     assert _no_weight_slices(text)

@@ -5,7 +5,7 @@ uint8 bit pattern, see `CacheLayout.storage_dtype`), per-head dequantization
 scales `[L, H]` float32, sharded over heads. S = sink_slots + ring_frames * T, where
 T = tokens_per_step (one latent frame plus its audio tokens).
 
-Two modes behind one interface (`write`, `attention_operands`, `end_step`, `shift_positions`):
+Two modes behind one interface (`write`, `attention_operands`, `rotate_ring`, `shift_window`):
 
 - `ring`: keys are stored already rotated (RoPE at the write), quantized once with a scale
   computed on the device; the current frame's slot is `sink + (step % ring_frames) * T`: the
@@ -15,14 +15,6 @@ Two modes behind one interface (`write`, `attention_operands`, `end_step`, `shif
   every attention call re-applies RoPE to the whole cache at the slots' positions, re-quantizes
   all of it (FP8) and the window is shifted by copying at the end of each step (the current
   frame always sits in the last T slots).
-
-V transposed (`CacheLayout.v_transposed`, ring + FP8 only; `EngineOptions(v_cache=
-"transposed")`; not the default): V is stored as the Pallas attention kernel reads it, V^T
-`[L, H, D, S']` (S' = S rounded up to the kernel's 128-key blocks, keys permuted inside
-16-slot groups, see `pallas_kernels.fp8_attention.transpose_v`), so no attention call
-transposes V. A write rewrites the 16-aligned window of slots around the new tokens
-(`_write_v_transposed`); on an H200 that write costs more than the transposes it saves
-(BUILD_NOTES, "The V^T cache in the step").
 
 FP8 scales in `ring` mode: K follows QK-RMSNorm, so |k_i| <= sqrt(D) * max|gain| exactly and
 rotation keeps pair norms: that bound is the K scale (never clips). V has no such bound: its
@@ -39,9 +31,9 @@ import jax.numpy as jnp
 
 from characters_jax.config import Config
 from characters_jax.model.rope import apply_rope, rope_angles, rotate
+from pallas_kernels.numerics import FP8, FP8_MAX
+from pallas_kernels.numerics import quantize_per_head as quantize
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
 V_HEADROOM = 4.0
 _MIN_SCALE = 1e-12
 
@@ -49,8 +41,8 @@ _MIN_SCALE = 1e-12
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """k, v: [L, S, H, D] (float8_e4m3fn | bfloat16 | float32; v is [L, H, D, S'] with
-    `CacheLayout.v_transposed`); k_scale, v_scale: [L, H] float32."""
+    """k, v: [L, S, H, D] (float8_e4m3fn held as uint8 | bfloat16 | float32); k_scale,
+    v_scale: [L, H] float32."""
 
     k: jax.Array
     v: jax.Array
@@ -70,12 +62,6 @@ class CacheLayout:
     sink_slots: int
     tokens_per_step: int
     ring_frames: int
-    v_transposed: bool = False  # V stored as the attention kernel's V^T [L, H, D, S']
-
-    def __post_init__(self):
-        if self.v_transposed and not (self.mode == "ring" and self.dtype == "fp8"):
-            raise ValueError("a transposed V cache needs the ring mode and FP8 (the Pallas "
-                             f"kernel's input), got mode={self.mode!r} dtype={self.dtype!r}")
 
     @classmethod
     def from_config(cls, cfg: Config) -> "CacheLayout":
@@ -125,39 +111,19 @@ class CacheLayout:
         return self.sink_slots + (step % self.ring_frames) * self.tokens_per_step
 
     def shape(self) -> tuple[int, int, int, int]:
-        """K's shape [L, S, H, D] (and V's unless v_transposed)."""
+        """K's and V's shape [L, S, H, D]."""
         return (self.num_blocks, self.slots, self.num_heads, self.head_dim)
 
-    @property
-    def v_slots(self) -> int:
-        """S' of a transposed V: the slots rounded up to the kernel's KV blocks."""
-        from pallas_kernels.fp8_attention import padded_slots
-
-        return padded_slots(self.slots)
-
-    def v_shape(self) -> tuple[int, int, int, int]:
-        """[L, H, D, S'] with v_transposed, else shape()."""
-        if self.v_transposed:
-            return (self.num_blocks, self.num_heads, self.head_dim, self.v_slots)
-        return self.shape()
-
     def bytes(self) -> int:
-        n = math.prod(self.shape()) + math.prod(self.v_shape())
-        return n * jnp.dtype(self.storage_dtype).itemsize
+        return 2 * math.prod(self.shape()) * jnp.dtype(self.storage_dtype).itemsize
 
 
 def empty_cache(layout: CacheLayout) -> KVCache:
     """A zeroed cache with unit scales (global shapes; place it with jit out_shardings)."""
     k = jnp.zeros(layout.shape(), layout.storage_dtype)
     ones = jnp.ones((layout.num_blocks, layout.num_heads), jnp.float32)
-    return KVCache(k=k, v=jnp.zeros(layout.v_shape(), layout.storage_dtype), k_scale=ones,
+    return KVCache(k=k, v=jnp.zeros(layout.shape(), layout.storage_dtype), k_scale=ones,
                    v_scale=ones)
-
-
-def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """x: [T, H, D] float; scale: [H] float32 -> [T, H, D] float8_e4m3fn, saturating."""
-    y = x.astype(jnp.float32) / scale[None, :, None]
-    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
 def dequantize(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -212,42 +178,14 @@ def write(layout: CacheLayout, cache: KVCache, layer: jax.Array, offset: jax.Arr
     v_new = layout.to_storage(v_new)
     zero = jnp.int32(0)
     start = (layer, offset, zero, zero)
-    if layout.v_transposed:
-        v = _write_v_transposed(cache.v, layer, offset, v_new)
-    else:
-        v = jax.lax.dynamic_update_slice(cache.v, v_new[None], start)
+    v = jax.lax.dynamic_update_slice(cache.v, v_new[None], start)
     return dataclasses.replace(cache, k=jax.lax.dynamic_update_slice(cache.k, k_new, start), v=v)
-
-
-def _write_v_transposed(vt: jax.Array, layer: jax.Array, offset: jax.Array, v_new: jax.Array) -> jax.Array:
-    """vt: [L, H, D, S'] (keys permuted in 16-slot groups); v_new: [T, H, D] for slots
-    [offset, offset + T). Rewrites the 16-aligned window of W = T + 15 rounded up to 16
-    slots that holds them (clamped to the end, still aligned): the new values, transposed,
-    placed at their window offset and permuted, where the permuted slot mask says so, the
-    old bytes elsewhere (only the edge groups keep any), so nothing old is un-permuted."""
-    from pallas_kernels.fp8_attention import permute_keys
-
-    _, h, d, s_pad = vt.shape
-    t = v_new.shape[0]
-    w = -(-(t + 15) // 16) * 16
-    if w > s_pad:
-        raise ValueError(f"{t} new slots do not fit a V^T cache of {s_pad} slots")
-    zero = jnp.int32(0)
-    a0 = jnp.minimum((offset // 16) * 16, s_pad - w).astype(jnp.int32)
-    r = (offset - a0).astype(jnp.int32)  # the first new slot's place in the window
-    old = jax.lax.dynamic_slice(vt, (layer, zero, zero, a0), (1, h, d, w))[0]
-    new = jax.lax.dynamic_update_slice(jnp.zeros((h, d, w), vt.dtype), jnp.transpose(v_new, (1, 2, 0)), (zero, zero, r))
-    slot = jnp.arange(w, dtype=jnp.int32)
-    mine = permute_keys((slot >= r) & (slot < r + t))
-    win = jnp.where(mine[None, None, :], permute_keys(new), old)
-    return jax.lax.dynamic_update_slice(vt, win[None], (layer, zero, zero, a0))
 
 
 def attention_operands(layout: CacheLayout, cache: KVCache, layer: jax.Array, slot_positions: jax.Array, valid: jax.Array, freqs, *, whole_stack: bool = False):
     """What one attention call reads for block `layer`.
 
-    Returns (k, v, k_scale, v_scale): k, v [S, H, D] (v: [H, D, S'] with v_transposed,
-    for `attention(..., v_transposed=True)`) as stored (ring) or re-rotated and
+    Returns (k, v, k_scale, v_scale): k, v [S, H, D] as stored (ring) or re-rotated and
     re-quantized from the whole cache (launch); scales [H] float32 (ones when not FP8).
     slot_positions: [S, 3] int32 (used by launch only); valid: [S] bool.
     whole_stack (ring mode only): k, v are the whole stacks [L, S, H, D] in the compute
@@ -317,13 +255,12 @@ def shift_slots(layout: CacheLayout, x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[:s], x[s + t :], x[-t:]], axis=0)
 
 
-def cache_partition_spec(axis: str | None = "tp", layout: CacheLayout | None = None):
-    """PartitionSpecs of a KVCache: heads sharded over `axis` (V^T's heads are its axis 1)."""
+def cache_partition_spec(axis: str | None = "tp"):
+    """PartitionSpecs of a KVCache: heads sharded over `axis`."""
     from jax.sharding import PartitionSpec as P
 
     kv = P(None, None, axis, None)
-    v = P(None, axis, None, None) if layout is not None and layout.v_transposed else kv
-    return KVCache(k=kv, v=v, k_scale=P(None, axis), v_scale=P(None, axis))
+    return KVCache(k=kv, v=kv, k_scale=P(None, axis), v_scale=P(None, axis))
 
 
 __all__ = [

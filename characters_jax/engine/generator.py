@@ -1,6 +1,7 @@
 """DiTGenerator: the `Generator` of one worker, one session at a time.
 
-Owns the mesh, the parameters and the donated step state; `start_session` prefills the sink
+Owns the mesh, the parameters and the donated step state (the engine's options are the
+config's [engine] table); `start_session` prefills the sink
 (reusing the state's buffers: no allocation per session or per prompt length beyond the
 bucketed programs), `step` denoises one latent frame. Both dispatch asynchronously.
 """
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from characters_jax.config import Config
-from characters_jax.engine.step import Engine, EngineOptions
+from characters_jax.engine.step import Engine
 from characters_jax.parallel.sharding import make_mesh
 
 
@@ -25,13 +26,12 @@ class DiTGenerator:
         cache_dtype: str | None = None,
         checkpoint: str | None = None,
         seed: int = 0,
-        options: EngineOptions = EngineOptions(),
         devices=None,
     ):
         cache = {k: v for k, v in (("mode", cache_mode), ("dtype", cache_dtype)) if v is not None}
         self.config = config.replace(cache=cache) if cache else config
         self.mesh = make_mesh(tp, devices)
-        self.engine = Engine(self.config, self.mesh, options)
+        self.engine = Engine(self.config, self.mesh)
         if checkpoint:
             from characters_jax.checkpoint import restore_params
 

@@ -41,8 +41,8 @@ def empty_state(layout: CacheLayout) -> StepState:
     )
 
 
-def state_partition_spec(axis: str | None = "tp", layout: CacheLayout | None = None) -> StepState:
-    return StepState(cache=cache_partition_spec(axis, layout), valid=P(), slot_positions=P(), step=P(), frame_time=P(), rng=P())
+def state_partition_spec(axis: str | None = "tp") -> StepState:
+    return StepState(cache=cache_partition_spec(axis), valid=P(), slot_positions=P(), step=P(), frame_time=P(), rng=P())
 
 
 def frame_positions(frame_time: jax.Array, grid_h: int, grid_w: int, audio_tokens: int) -> jax.Array:

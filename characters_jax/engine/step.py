@@ -24,136 +24,24 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from characters_jax.cache import kv_cache as kvc
-from characters_jax.config import Config, ConfigError
+from characters_jax.config import Config
+from characters_jax.engine.options import resolve_engine
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
 from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
+from characters_jax.model.params import abstract_model, init_state, param_partition_specs
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 from characters_jax.parallel.fp8_linear import Fp8Activation
-from characters_jax.parallel.row_parallel import (
-    FUSED_METHODS, STACKED_ROW_ALIGN, row_parallel_matmul_reduce)
-from characters_jax.parallel.sharding import TP, ShardingRules
-from pallas_kernels.fp8_attention import PALLAS_IMPLS, attention, is_hopper, slot_mask
-from pallas_kernels.fp8_attention import resolve_impl as resolve_attention
+from characters_jax.parallel.row_parallel import STACKED_ROW_ALIGN, row_parallel_matmul_reduce
+from characters_jax.parallel.sharding import TP, ShardingRules, named_shardings
 from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
+from pallas_kernels.fp8_attention import attention, slot_mask
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """attention: impl passed to `pallas_kernels.fp8_attention.attention`;
-    reduce: the block's reduction ('psum' | 'ppermute' | 'pallas' | 'auto');
-    gemm: 'auto' (= 'stacked' for FP8 weights where the stacked Pallas GEMM runs, an NVIDIA
-    Hopper GPU; 'xla' elsewhere) | 'xla' (blocks' weights sliced per layer by the scan) |
-    'stacked' (projection weights read in place from the layer stack:
-    `scan_blocks(in_place=True)`);
-    kv_in_place: ring cache: attention gets the whole K/V stacks and the layer index (the
-    Pallas kernel reads the layer in place, other impls slice it); False slices the layer
-    out before the call (an XLA copy of K and V per block; kept for the ablation);
-    noise_ulp_seed: None, or a seed: every step's noise is moved one float32 ulp up or down
-    (random sign per element) - a run-to-run perturbation for the numerics harness;
-    v_cache: how the ring FP8 cache stores V: 'plain' (the default, measured faster:
-    [L, S, H, D], the Pallas kernel transposes each V block itself) |
-    'transposed' (the kernel's V^T [L, H, D, S'], written by the cache: no transpose per
-    attention call, 3 pipeline stages; other attention impls undo it per call). On an H200
-    at tp=1 the V^T write costs ~57 us per block pass (cache upkeep 24.4 vs 10.7 ms per
-    step) against 1.6 ms per step saved in attention: the step is 2.7% slower with it
-    (BUILD_NOTES, "The V^T cache in the step");
-    input_quant: how the GEMMs' inputs are quantized for FP8 weights with per-row
-    activation scales (model.activation_scale = 'row'): 'pallas' (each by one kernel of
-    `pallas_kernels.fp8_row_quantize`: the block input's norm + modulation, the MLP hidden's
-    GELU, the attention output, each with its rows' maxima and e4m3 in the same pass;
-    NVIDIA GPUs of compute capability 8.9+) | 'pallas-norm' (the block input's kernel only,
-    the rest by XLA) | 'xla' (XLA's fusions) | 'auto' (pallas where it applies and runs,
-    else xla);
-    qkv_prep: how a step turns the qkv projection's output into the attention's operands:
-    'pallas' (one kernel, `pallas_kernels.fp8_qkv_prepare`: QK-norm, RoPE, Q's e4m3 parts
-    and K/V written into the FP8 ring cache; needs the ring FP8 cache with plain V read in
-    place by the Pallas attention, 'pallas' or 'pallas-exp2', on a GPU with the kernel) |
-    'xla' (the model's code) | 'auto' (pallas where it applies and runs; at the tp=4 share
-    on an H200 the step took 102.7 against 105.8 ms, BUILD_NOTES "Q, K and V from the qkv
-    GEMM in one kernel"). Prefill always takes the model's code (it fixes the cache's
-    scales from the data first);
-    out_down: 'joined' (attention-out and MLP-down as one stream-K GEMM over both K ranges
-    where both run the stacked kernel: 'psum' with stacked weights, i.e. tp = 1 or XLA's
-    all-reduce, and 'pallas-stream-k'; `row_parallel.stacked_partial`) | 'chained' (two
-    GEMMs, attention-out's bf16 product as MLP-down's epilogue addend; the ablation)."""
-
-    attention: str = "auto"
-    reduce: str = "auto"
-    gemm: str = "auto"
-    kv_in_place: bool = True
-    noise_ulp_seed: int | None = None
-    v_cache: str = "plain"
-    input_quant: str = "auto"
-    qkv_prep: str = "auto"
-    out_down: str = "joined"
-
-    def __post_init__(self):
-        if self.gemm not in GEMM_MODES:
-            raise ValueError(f"gemm must be one of {GEMM_MODES}, got {self.gemm!r}")
-        if self.v_cache not in V_CACHE_MODES:
-            raise ValueError(f"v_cache must be one of {V_CACHE_MODES}, got {self.v_cache!r}")
-        if self.input_quant not in INPUT_QUANT_MODES:
-            raise ValueError(f"input_quant must be one of {INPUT_QUANT_MODES}, got {self.input_quant!r}")
-        if self.qkv_prep not in QKV_PREP_MODES:
-            raise ValueError(f"qkv_prep must be one of {QKV_PREP_MODES}, got {self.qkv_prep!r}")
-        if self.out_down not in OUT_DOWN_MODES:
-            raise ValueError(f"out_down must be one of {OUT_DOWN_MODES}, got {self.out_down!r}")
-
-
-GEMM_MODES = ("auto", "xla", "stacked")
-V_CACHE_MODES = ("plain", "transposed")
-INPUT_QUANT_MODES = ("auto", "xla", "pallas", "pallas-norm")
-QKV_PREP_MODES = ("auto", "xla", "pallas")
-OUT_DOWN_MODES = ("joined", "chained")
-# Attention impls that take Q as the fused qkv kernel makes it (fp8_attention.QuantizedQ).
-QKV_PREP_ATTENTION = ("pallas", "pallas-exp2")
-# The modes that run fp8_row_quantize kernels.
-PALLAS_INPUT_QUANT = ("pallas", "pallas-norm")
-
-
-def resolve_input_quant(input_quant: str, model) -> str:
-    """The concrete mode ('pallas', 'pallas-norm' or 'xla') for a ModelConfig: the kernels
-    apply to FP8 weights with per-row activation scales; asked for by name where they
-    cannot run: ConfigError."""
-    applies = model.weight_dtype == "fp8" and model.activation_scale == "row"
-    if input_quant == "xla":
-        return "xla"
-    if input_quant in PALLAS_INPUT_QUANT:
-        if not applies:
-            raise ConfigError(f"input_quant={input_quant!r} quantizes per row for FP8 weights: "
-                              "needs model.weight_dtype='fp8' and model.activation_scale='row'")
-        if not fp8_row_quantize.is_supported():
-            raise ConfigError(f"input_quant={input_quant!r} needs an NVIDIA GPU of compute "
-                              "capability 8.9+")
-        return input_quant
-    return "pallas" if applies and fp8_row_quantize.is_supported() else "xla"
-
-
-def resolve_qkv_prep(qkv_prep: str, layout: kvc.CacheLayout, options) -> str:
-    """'pallas' or 'xla' (``EngineOptions.qkv_prep``); 'pallas' asked for where it cannot
-    run: ConfigError naming what is missing."""
-    if qkv_prep == "xla":
-        return "xla"
-    attention_impl = resolve_attention(options.attention, kvc.FP8, layout.head_dim)
-    missing = [why for ok, why in (
-        (layout.mode == "ring" and layout.quantized, "the ring FP8 cache"),
-        (not layout.v_transposed, "plain V (v_cache='plain')"),
-        (options.kv_in_place, "K/V read in place (kv_in_place)"),
-        (attention_impl in QKV_PREP_ATTENTION, f"attention {QKV_PREP_ATTENTION}"),
-        (fp8_qkv_prepare.is_supported(), "an NVIDIA GPU of compute capability 8.9+"),
-    ) if not ok]
-    if not missing:
-        return "pallas"
-    if qkv_prep == "pallas":
-        raise ConfigError("qkv_prep='pallas' needs " + ", ".join(missing))
-    return "xla"
-
-
-def block_activations(input_quant: str) -> BlockActivations:
-    """The blocks' GEMM inputs for a resolved ``input_quant``: the model's defaults ('xla'),
-    or FP8 from the fused kernels, rows padded to the stacked GEMM's multiple of 8 by the
-    kernels themselves (padding rows zero, scale 0)."""
-    if input_quant not in PALLAS_INPUT_QUANT:
+def block_activations(quant_kernels: bool) -> BlockActivations:
+    """The blocks' GEMM inputs: the model's defaults (XLA's fusions), or with the 'quant'
+    kernels FP8 from them, rows padded to the stacked GEMM's multiple of 8 by the kernels
+    themselves (padding rows zero, scale 0)."""
+    if not quant_kernels:
         return DEFAULT_ACTIVATIONS
 
     def quantized(x, rows, **kw):
@@ -165,144 +53,57 @@ def block_activations(input_quant: str) -> BlockActivations:
     def block_input(x, shift, scale, eps):
         return quantized(x, x.shape[0], shift=shift, scale=scale, eps=eps, prologue="norm")
 
-    if input_quant == "pallas-norm":
-        return BlockActivations(block_input=block_input)
     return BlockActivations(
         block_input=block_input,
         mlp_hidden=lambda y, t: quantized(y, t, prologue="gelu"),
         attention_out=lambda o, t: quantized(o.reshape(o.shape[0], -1), t, prologue="none"))
 
 
-def check_attention(attention: str, layout: kvc.CacheLayout) -> None:
-    """A Pallas attention impl asked for by name must be able to run: FP8 K/V, head_dim 128,
-    an NVIDIA Hopper GPU. Raises ConfigError naming what is missing ('auto' never does),
-    or for an unknown name."""
-    try:
-        resolve_attention(attention, kvc.FP8, layout.head_dim)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    if attention not in PALLAS_IMPLS:
-        return
-    missing = [what for what, ok in (
-        (f"an FP8 cache (cache.dtype is {layout.dtype!r})", layout.quantized),
-        (f"head_dim 128 (model.head_dim is {layout.head_dim})", layout.head_dim == 128),
-        (f"an NVIDIA Hopper GPU (backend is {jax.default_backend()})", is_hopper()))
-        if not ok]
-    if missing:
-        raise ConfigError(f"attention {attention!r} needs " + ", ".join(missing)
-                          + "; use attention 'auto', 'reference', 'cudnn' or 'xla'")
-
-
-def resolve_gemm(gemm: str, weight_dtype: str) -> str:
-    """'auto' -> 'stacked' for FP8 weights on a GPU where the stacked kernel runs, else 'xla'."""
-    if gemm != "auto":
-        return gemm
-    from pallas_kernels import fp8_gemm_stacked
-
-    return "stacked" if weight_dtype == "fp8" and fp8_gemm_stacked.is_supported() else "xla"
-
-
-def param_partition_specs(abstract_state: nnx.State, rules: ShardingRules):
-    """PartitionSpecs for the model state from each Variable's `logical_axes`.
-
-    Block weights are stacked over a leading 'layers' axis that the metadata does not name.
-    """
-
-    def spec(path, var):
-        axes = tuple(var.get_metadata().get("logical_axes", (None,) * var.get_value().ndim))
-        if path and getattr(path[0], "key", path[0]) == "blocks":
-            axes = ("layers",) + axes
-        if len(axes) != var.get_value().ndim:
-            raise ValueError(f"{jax.tree_util.keystr(path)}: logical axes {axes} do not match shape {var.get_value().shape}")
-        return rules.spec(axes)
-
-    return jax.tree_util.tree_map_with_path(spec, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def count_params(cfg: Config) -> int:
-    """Exact parameter count, from the abstract model (no memory allocated)."""
-    abstract = nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
-
-
-def step_flops(cfg: Config) -> float:
-    """Matmul FLOPs of one step: passes x blocks x (GEMMs + attention over all cache slots)."""
-    m, t = cfg.model, cfg.tokens_per_step
-    gemm = 2 * t * (m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim)
-    attn = 4 * t * cfg.cache_slots * m.num_heads * m.head_dim
-    return float(cfg.sampler.num_passes * m.num_blocks * (gemm + attn))
-
-
-def nudge_noise_ulp(x: jax.Array, key) -> jax.Array:
-    """Moves each nonzero float32 element one ulp up or down in magnitude (random sign)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    step = jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 1, -1).astype(jnp.int32)
-    return jnp.where(x != 0, jax.lax.bitcast_convert_type(bits + step, jnp.float32), x)
-
-
 class Engine:
-    """Compiled programs for one config on one mesh. Holds no session state."""
+    """Compiled programs for one config on one mesh, as its [engine] table resolves here
+    (``options``: ``engine.options.ResolvedEngine``). Holds no session state."""
 
-    def __init__(self, cfg: Config, mesh, options: EngineOptions = EngineOptions(), rules: ShardingRules = ShardingRules()):
+    def __init__(self, cfg: Config, mesh, rules: ShardingRules = ShardingRules(),
+                 noise_transform=None):
+        """noise_transform: None, or f(noise [T_img, C] float32, step [] int32) -> noise, applied
+        to every step's noise before the passes (e.g. a run-to-run perturbation)."""
         cfg.validate_tp(mesh.size)
-        self.cfg, self.mesh, self.options = cfg, mesh, options
-        self.gemm = resolve_gemm(options.gemm, cfg.model.weight_dtype)
-        self.input_quant = resolve_input_quant(options.input_quant, cfg.model)
-        layout = kvc.CacheLayout.from_config(cfg)
-        check_attention(options.attention, layout)
-        if options.reduce in FUSED_METHODS and cfg.model.weight_dtype != "fp8":
-            raise ConfigError(f"reduce={options.reduce!r} runs the fused FP8 GEMM + all-reduce: "
-                              f"needs model.weight_dtype='fp8', got {cfg.model.weight_dtype!r}")
-        self.layout = dataclasses.replace(layout, v_transposed=options.v_cache == "transposed")
-        self.qkv_prep = resolve_qkv_prep(options.qkv_prep, self.layout, options)
+        self.cfg, self.mesh = cfg, mesh
+        self.options = resolve_engine(cfg)
+        self.noise_transform = noise_transform
+        self.layout = kvc.CacheLayout.from_config(cfg)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
-        abstract = nnx.eval_shape(lambda: DiT(m, rngs=nnx.Rngs(0)))
-        self.graphdef, self.abstract_params = nnx.split(abstract)
+        self.graphdef, self.abstract_params = abstract_model(m)
         self.param_specs = param_partition_specs(self.abstract_params, rules)
-        named = functools.partial(NamedSharding, mesh)
-        self.param_shardings = jax.tree.map(named, self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        self.state_specs = state_partition_spec(TP, self.layout)
-        self.state_shardings = jax.tree.map(named, self.state_specs, is_leaf=lambda x: isinstance(x, P))
-        self.replicated = named(P())
+        self.param_shardings = named_shardings(mesh, self.param_specs)
+        self.state_specs = state_partition_spec(TP)
+        self.state_shardings = named_shardings(mesh, self.state_specs)
+        self.replicated = NamedSharding(mesh, P())
 
         self.init_params = jax.jit(self._init_params, out_shardings=self.param_shardings)
         self.init_state = jax.jit(lambda: empty_state(self.layout), out_shardings=self.state_shardings)
         params_and_state = (self.param_shardings, self.state_shardings)
         self.prefill = jax.jit(
-            self._sharded(self._prefill_local, (P(),) * 4, out_specs=self.state_specs),
+            self.sharded_program(self._prefill_local, (P(),) * 4, out_specs=self.state_specs),
             in_shardings=params_and_state + (self.replicated,) * 4,
             out_shardings=self.state_shardings,
             donate_argnames=("state",),
         )
         self.step = jax.jit(
-            self._sharded(self._step_local, (P(),), out_specs=(self.state_specs, P())),
+            self.sharded_program(self._step_local, (P(),), out_specs=(self.state_specs, P())),
             in_shardings=params_and_state + (self.replicated,),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnames=("state",),
         )
-        self._upkeep_programs = {}
 
-    def cache_upkeep(self, steps: int = 1):
-        """The jitted program that runs `steps` steps' cache operations alone (one call):
-        (params, state, new_kv) -> (state, checksum)."""
-        if steps not in self._upkeep_programs:
-            fn = functools.partial(self._upkeep_local, steps=steps)
-            self._upkeep_programs[steps] = jax.jit(
-                self._sharded(fn, (self.state_specs.cache.k,), out_specs=(self.state_specs, P())),
-                in_shardings=(self.param_shardings, self.state_shardings, self.state_shardings.cache.k),
-                out_shardings=(self.state_shardings, self.replicated),
-                donate_argnames=("state",),
-            )
-        return self._upkeep_programs[steps]
-
-    # ---- construction helpers -------------------------------------------------------------
+    # ---- construction -------------------------------------------------------------
     def _init_params(self, key):
-        model = DiT(self.cfg.model, rngs=nnx.Rngs(params=key))
-        return nnx.state(model)
+        return init_state(self.cfg.model, key)
 
-    def _sharded(self, fn, extra_in_specs: tuple, out_specs):
-        """shard_map(fn) over (params, state, *extra args), keeping the argument names."""
+    def sharded_program(self, fn, extra_in_specs: tuple, out_specs):
+        """shard_map(fn) over (params, state, *extra args) on this engine's mesh, with the
+        params' and state's specs (the extra args' given), keeping the argument names."""
         in_specs = (self.param_specs, self.state_specs) + tuple(extra_in_specs)
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
@@ -326,15 +127,14 @@ class Engine:
             with jax.named_scope("out_down_reduce"):
                 return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
                                                   out_dtype=jnp.dtype(self.cfg.model.dtype),
-                                                  act_scale=self.cfg.model.activation_scale,
-                                                  join=opts.out_down == "joined")
+                                                  act_scale=self.cfg.model.activation_scale)
 
-        activations = block_activations(self.input_quant)
+        activations = block_activations(opts.quant)
 
         def block_fn(block, layer, x, shared_mod, cache):
             # Ring: attention gets the whole K/V stacks and the layer; the Pallas kernel reads
             # the layer in place, the other impls slice it (an XLA copy).
-            in_place = layout.mode == "ring" and opts.kv_in_place
+            in_place = layout.mode == "ring"
 
             def attend_cached(q, c):
                 """q (rotated, float or QuantizedQ) over the updated cache c: (o, c)."""
@@ -344,7 +144,7 @@ class Engine:
                     # With the attention output's own quantization kernel, the Pallas
                     # attention's padded rows go in as they are (that kernel reads only the
                     # real ones; a slice before it would be a copy).
-                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, v_transposed=layout.v_transposed, padded_out=self.input_quant == "pallas")
+                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, padded_out=opts.quant)
                 return o, c
 
             def attend(q, k, v):
@@ -367,7 +167,7 @@ class Engine:
                     c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
                 return attend_cached(q8, c)
 
-            fused_qkv = self.qkv_prep == "pallas" and token_valid is None  # steps, not prefill
+            fused_qkv = opts.qkv and token_valid is None  # steps, not prefill
             return block(x, shared_mod, attend, reduce, layer=layer, activations=activations,
                          attend_qkv=attend_qkv if fused_qkv else None)
 
@@ -375,7 +175,7 @@ class Engine:
 
     def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
         temb = model.time_embedding(sigma)
-        in_place = self.gemm == "stacked"
+        in_place = self.options.gemm
         h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn, in_place=in_place)
         return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
 
@@ -396,7 +196,7 @@ class Engine:
         key = jax.random.key_data(jax.random.key(seed))
         return StepState(cache=cache, valid=valid, slot_positions=slot_positions, step=jnp.int32(0), frame_time=jnp.int32(1), rng=key)
 
-    def _reset_positions(self, state: StepState) -> StepState:
+    def reset_positions(self, state: StepState) -> StepState:
         """Every reset_period steps: move every ring position back by reset_period (ring: rotate keys once)."""
         layout, period = self.layout, self.cfg.cache.reset_period
         due = state.frame_time >= layout.ring_frames + period
@@ -411,7 +211,7 @@ class Engine:
             frame_time=state.frame_time + shift,
         )
 
-    def _begin_frame(self, state: StepState):
+    def begin_frame(self, state: StepState):
         """Positions of the new tokens, their first slot, and the updated valid/positions."""
         cfg, layout = self.cfg, self.layout
         pos = frame_positions(state.frame_time, cfg.video.grid_h, cfg.video.grid_w, cfg.model.audio_tokens_per_step)
@@ -420,7 +220,7 @@ class Engine:
         slot_positions = jax.lax.dynamic_update_slice(state.slot_positions, pos, (offset, jnp.int32(0)))
         return pos, offset, valid, slot_positions
 
-    def _end_frame(self, state: StepState, cache, valid, slot_positions) -> StepState:
+    def end_frame(self, state: StepState, cache, valid, slot_positions) -> StepState:
         layout = self.layout
         return StepState(
             cache=kvc.shift_window(layout, cache),
@@ -436,12 +236,12 @@ class Engine:
         cfg = self.cfg
         model = nnx.merge(self.graphdef, params)
         with jax.named_scope("cache_upkeep"):
-            state = self._reset_positions(state)
-        pos, offset, valid, slot_positions = self._begin_frame(state)
+            state = self.reset_positions(state)
+        pos, offset, valid, slot_positions = self.begin_frame(state)
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
-        if self.options.noise_ulp_seed is not None:
-            x = nudge_noise_ulp(x, jax.random.fold_in(jax.random.key(self.options.noise_ulp_seed), state.step))
+        if self.noise_transform is not None:
+            x = self.noise_transform(x, state.step)
         block_fn = self._block_fn(pos, offset, valid, slot_positions)
         cache = state.cache
         sigmas = cfg.sampler.sigmas
@@ -450,50 +250,10 @@ class Engine:
             velocity, cache = self._forward(model, tokens, jnp.float32(sigmas[i]), cache, block_fn)
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity
         with jax.named_scope("cache_upkeep"):
-            new_state = self._end_frame(state, cache, valid, slot_positions)
+            new_state = self.end_frame(state, cache, valid, slot_positions)
         return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
 
-    def _upkeep_local(self, params, state: StepState, new_kv, *, steps: int):
-        """`steps` steps of the step's cache operations alone (for measuring their share):
-        reset, and per pass and block the K/V write (RoPE + FP8 at write in ring mode) and
-        what attention reads (launch: RoPE + re-quantization of the whole cache), then the
-        window shift. Several steps per call amortize the dispatch.
-
-        new_kv: [L, T, H_local, D] stand-in new keys/values (same shapes as the step's).
-        """
-        layout = self.layout
-        del params
-        impl = resolve_attention(self.options.attention, kvc.FP8 if layout.quantized else layout.storage_dtype, self.cfg.model.head_dim)
-        whole = layout.mode == "ring" and self.options.kv_in_place and impl in PALLAS_IMPLS
-
-        def one_step(_, carry):
-            state, checksum = carry
-            state = self._reset_positions(state)
-            pos, offset, valid, slot_positions = self._begin_frame(state)
-            rope = rope_angles(pos, self.freqs)
-
-            def body(layer, c):
-                cache, checksum = c
-                kv = new_kv[layer].astype(jnp.float32)
-                cache = kvc.write(layout, cache, layer, offset, kv, kv, rope)
-                # As the step: the ring cache's stacks go whole to an attention that reads the
-                # layer in place (the Pallas kernel); otherwise the layer's K/V are materialized
-                # (a slice for cuDNN/XLA/reference; launch: re-rotated and re-quantized).
-                k, v, _, _ = kvc.attention_operands(layout, cache, layer, slot_positions, valid, self.freqs, whole_stack=whole)
-                # Materialize what attention reads, and consume it so it is not dead code.
-                k, v, cache = jax.lax.optimization_barrier((k, v, cache))
-                if whole:
-                    k, v = k[layer], v[layer]
-                return cache, checksum + k[-1, 0, 0].astype(jnp.float32) + v[-1, 0, 0].astype(jnp.float32)
-
-            cache = state.cache
-            for _ in range(self.cfg.sampler.num_passes):
-                cache, checksum = jax.lax.fori_loop(0, layout.num_blocks, body, (cache, checksum))
-            return self._end_frame(state, cache, valid, slot_positions), checksum
-
-        return jax.lax.fori_loop(0, steps, one_step, (state, jnp.float32(0.0)))
-
-    # ---- host-side helpers (no device sync) ----------------------------------------------------
+    # ---- host-side methods (no device sync) ----------------------------------------------------
     def prompt_bucket(self, n: int) -> int:
         for b in self.cfg.cache.prompt_buckets:
             if n <= b:
@@ -506,10 +266,3 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.model.prompt_vocab})")
         b = self.prompt_bucket(tokens.size)
         return np.pad(tokens, (0, b - tokens.size)), int(tokens.size)
-
-    def upkeep_inputs(self, key=None):
-        """Random stand-in K/V for `cache_upkeep`, placed like the cache."""
-        cfg = self.cfg
-        shape = (cfg.model.num_blocks, cfg.tokens_per_step, cfg.model.num_heads, cfg.model.head_dim)
-        make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16), out_shardings=self.state_shardings.cache.k)
-        return make(key if key is not None else jax.random.key(1))

@@ -2,7 +2,7 @@
 
 Compiles the step once (compile time reported), warms up, then times each step to its
 completion: p50/p90/p99/max, the position-reset steps separately, fps, effective TFLOP/s.
-Cache upkeep is measured by timing the step's cache operations alone (`Engine.cache_upkeep`,
+Cache upkeep is measured by timing the step's cache operations alone (`measure.upkeep`,
 the same write / re-rotation / re-quantization / shift code the step runs) in the same
 process, as a share of the step. The bench syncs the host after each step to time it; the
 step itself never does.
@@ -11,6 +11,7 @@ step itself never does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -79,18 +80,21 @@ def run_bench(args) -> dict:
 
     from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.engine.step import EngineOptions, count_params, step_flops
+    from characters_jax.config import with_engine_arguments
+    from characters_jax.engine.options import resolve_engine
+    from characters_jax.measure.upkeep import cache_upkeep, step_flops, upkeep_inputs
+    from characters_jax.model.params import count_params
 
-    cfg = load_config(args.config)
-    cache = {"mode": args.mode}
-    if args.cache_dtype:
-        cache["dtype"] = args.cache_dtype
-    cfg = cfg.replace(cache=cache, model={"activation_scale": args.activation_scale} if args.activation_scale else {})
+    cfg = with_engine_arguments(load_config(args.config), args)
+    cfg.validate_tp(args.tp)
+    options = resolve_engine(cfg)  # a bad option fails here, before any parameter exists
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
-    log(f"[bench] {cfg.name}: {count_params(cfg) / 1e9:.3f}B params, tp={args.tp}, mode={cfg.cache.mode}, cache={cfg.cache.dtype}, backend={jax.default_backend()}")
+    log(f"[bench] {cfg.name}: {count_params(cfg.model) / 1e9:.3f}B params, tp={args.tp}, "
+        f"mode={cfg.cache.mode}, cache={cfg.cache.dtype}, attention={options.attention}, "
+        f"reduce={options.reduce}, kernels={options.kernels}, backend={jax.default_backend()}")
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, options=EngineOptions(attention=args.attention, reduce=args.reduce, gemm=args.gemm, kv_in_place=not args.kv_slice, v_cache=args.v_cache, input_quant=args.input_quant, qkv_prep=args.qkv_prep, out_down=args.out_down))
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed)
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
@@ -125,9 +129,9 @@ def run_bench(args) -> dict:
     gen.state = state
 
     # Cache operations alone, same shapes, same process.
-    new_kv = engine.upkeep_inputs()
+    new_kv = upkeep_inputs(engine)
     per_call = max(1, args.upkeep_steps_per_call)
-    up_exe = engine.cache_upkeep(per_call).lower(gen.params, state, new_kv).compile()
+    up_exe = cache_upkeep(engine, per_call).lower(gen.params, state, new_kv).compile()
     up_times = []
     for s in range(args.warmup + max(5, args.steps // per_call)):
         t0 = time.perf_counter()
@@ -160,18 +164,13 @@ def run_bench(args) -> dict:
         "cache_dtype": cfg.cache.dtype,
         "weight_dtype": cfg.model.weight_dtype,
         "activation_scale": cfg.model.activation_scale,
-        "attention": args.attention,
-        "reduce": args.reduce,
-        "gemm": gen.engine.gemm,
-        "kv_in_place": not args.kv_slice,
-        "v_cache": args.v_cache,
-        "v_transposed": gen.engine.layout.v_transposed,
-        "input_quant": gen.engine.input_quant,
-        "out_down": args.out_down,
-        "qkv_prep": gen.engine.qkv_prep,
+        "engine": dataclasses.asdict(cfg.engine),
+        "attention": gen.engine.options.attention,
+        "reduce": gen.engine.options.reduce,
+        "kernels": gen.engine.options.kernels,
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in gen.mesh.devices.flat],
-        "params_billion": count_params(cfg) / 1e9,
+        "params_billion": count_params(cfg.model) / 1e9,
         "init_s": init_s,
         "compile_s": compile_s,
         "steps": args.steps,
@@ -249,26 +248,14 @@ def _bench(args) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from characters_jax.config import add_engine_arguments
+
     p = sub.add_parser("bench", help="time the step: percentiles, reset step, fps, cache-upkeep share")
     p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
-    p.add_argument("--mode", choices=("ring", "launch"), default="ring", help="cache mode")
-    p.add_argument("--cache-dtype", choices=("fp8", "bf16", "float32"), default=None, help="override cache.dtype")
-    p.add_argument("--input-quant", choices=("auto", "xla", "pallas", "pallas-norm"), default="auto",
-                   help="FP8 weights with per-row activation scales: each GEMM input's last elementwise step + quantization as one Pallas kernel (pallas), the block input's only (pallas-norm), XLA's fusions (xla), or auto")
-    p.add_argument("--qkv-prep", choices=("auto", "xla", "pallas"), default="auto",
-                   help="a step's QK-norm, RoPE, Q quantization and K/V cache write as one Pallas kernel (pallas), the model's code (xla), or auto")
-    p.add_argument("--out-down", choices=("joined", "chained"), default="joined",
-                   help="attention-out and MLP-down as one stream-K GEMM (joined, where both run the stacked kernel) or two chained through the epilogue addend")
-    p.add_argument("--activation-scale", choices=("tensor", "row"), default=None,
-                   help="override model.activation_scale: FP8 activations quantized with one scale per tensor or per row (token)")
+    add_engine_arguments(p)
     p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--attention", default="auto", help="attention impl: auto | reference | pallas | pallas-exp2 | pallas-qik | cudnn | xla")
-    p.add_argument("--reduce", default="auto", help="block reduction: auto | psum | ppermute | pallas | pallas-stream-k (the fused kernel on the stream-K schedule)")
-    p.add_argument("--gemm", choices=("auto", "xla", "stacked"), default="auto", help="block projections: sliced per layer (xla), read in place from the layer stack (stacked), or auto (stacked for FP8 weights on Hopper)")
-    p.add_argument("--v-cache", choices=("plain", "transposed"), default="plain", help="how the ring FP8 cache stores V: plain (the default, measured faster) = [L, S, H, D] (the Pallas kernel transposes each block); transposed = the kernel's V^T (no transpose per call, a costlier cache write)")
-    p.add_argument("--kv-slice", action="store_true", help="ring cache: slice each layer's K/V out of the stack before attention (an XLA copy) instead of passing the stack (ablation)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
     p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
     p.add_argument("--seed", type=int, default=0)

@@ -26,8 +26,7 @@ from flax import nnx
 
 from characters_jax.config import ModelConfig
 from characters_jax.parallel.fp8_linear import Fp8Weight, linear
-
-FP8 = jnp.float8_e4m3fn
+from pallas_kernels.numerics import FP8, mlp_hidden, modulated_norm, rms_norm
 TIME_FREQ_DIM = 256
 
 # attend(q, k, v) -> (o, aux): q, k, v [T, H_local, D]; o [To >= T, H_local, D] (rows past T,
@@ -44,31 +43,6 @@ ReduceFn = Callable[[list], jax.Array]
 
 def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
-
-
-def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """RMSNorm without gain over the last axis, computed in float32, returned in x.dtype."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
-def modulated_norm(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """adaLN on an RMSNorm: rms_norm(x) * (1 + scale) + shift in float32, in x.dtype.
-    x [T, d]; shift, scale [d] float32."""
-    return (rms_norm(x, eps).astype(jnp.float32) * (1.0 + scale) + shift).astype(x.dtype)
-
-
-def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GELU, tanh approximation, in x's dtype (as ``jax.nn.gelu(approximate=True)``):
-    x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))."""
-    inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))
-    return x * (0.5 * (1.0 + jnp.tanh(inner)))
-
-
-def mlp_hidden(y: jax.Array) -> jax.Array:
-    """The MLP's hidden activation of up's output y [T, F]: GELU in float32, rounded once to
-    y.dtype."""
-    return gelu_tanh(y.astype(jnp.float32)).astype(y.dtype)
 
 
 def _hidden_of_up(y: jax.Array, t: int) -> jax.Array:

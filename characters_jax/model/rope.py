@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.numerics import rotate
+
 
 def rope_frequencies(head_dim: int, rope_split: tuple[int, int, int], theta: float) -> np.ndarray:
     """Per-pair angular frequencies and the axis each pair follows.
@@ -37,21 +39,10 @@ def rope_angles(positions: jax.Array, freqs: np.ndarray | jax.Array) -> tuple[ja
 
     Compute them once where many tensors rotate by the same positions (every block's Q and
     new K within a step): inside the block scan XLA recomputes them per block (a dot and two
-    elementwise kernels each time).
+    elementwise kernels each time). ``rotate`` (``pallas_kernels.numerics``) applies them.
     """
     angles = positions.astype(jnp.float32) @ jnp.asarray(freqs)  # [T, D/2]
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates x [T, H, D] (any float dtype) by `rope` = (cos, sin) [T, D/2] from
-    `rope_angles`. Computed in float32; returns x.dtype."""
-    cos, sin = (a[:, None, :] for a in rope)
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, freqs: np.ndarray | jax.Array) -> jax.Array:

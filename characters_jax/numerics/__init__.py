@@ -24,7 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the base reference run and the variants")
     p.add_argument("--steps", type=int, default=12, help="steps per run (one latent frame each)")
     p.add_argument("--variants", default="ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute",
-                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, fp8-attention-exp2, fp8-attention-qik, fp8-gemm, stacked-gemm, stacked-gemm-row, stacked-gemm-row-chained, fused-reduce, ppermute, production")
+                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, qkv-kernel, fp8-gemm, stacked-gemm, stacked-gemm-row, quant-kernels, fused-reduce, ppermute, production (the config's cache and [engine], with the flags below)")
+    from characters_jax.config import add_engine_arguments
+
+    add_engine_arguments(p)
     p.add_argument("--runs", type=int, default=4, help="reference runs: the base run plus R-1 perturbed ones")
     p.add_argument("--blocks", type=int, default=None, help="override model.num_blocks (reduced depth, full width)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the activation dtype")
@@ -51,6 +54,8 @@ def _main(args) -> int:
         # On CPU the mesh needs virtual devices (read when the backend starts, which no
         # command import does); the flag does nothing on other backends.
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(args.tp, 4)}".strip()
+    from characters_jax.config import load_config
+    from characters_jax.config import with_engine_arguments
     from characters_jax.numerics import report as rep
     from characters_jax.numerics.harness import Settings, run
     from characters_jax.numerics.runs import VARIANTS
@@ -60,7 +65,8 @@ def _main(args) -> int:
     if unknown:
         print(f"characters-jax numerics: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    settings = Settings(config=args.config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
+    config = with_engine_arguments(load_config(args.config), args)  # a bad option fails here
+    settings = Settings(config=config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
                         blocks=args.blocks, dtype=args.dtype, ref_cache_dtype=args.ref_cache_dtype,
                         factor=args.factor, floor=args.floor, decoder=args.decoder, seed=args.seed,
                         verbose=not args.quiet, time_budget_s=args.time_budget,

@@ -20,7 +20,7 @@ import traceback
 import jax
 import numpy as np
 
-from characters_jax.config import Config, load_config
+from characters_jax.config import Config, ConfigError, load_config
 from characters_jax.numerics import runs as R
 from characters_jax.numerics.metrics import Divergence, Spread, Verdict, judge
 
@@ -33,7 +33,7 @@ class Settings:
     decoder: 'config' | 'small' | 'none'; repeat: add an identical repeat to the reference
     runs (None: on GPUs, where XLA's reductions may differ run to run)."""
 
-    config: str = "tiny"
+    config: str | Config = "tiny"  # a name or path, or a Config (e.g. with command-line overrides)
     tp: int = 1
     steps: int = 12
     runs: int = 4
@@ -56,6 +56,7 @@ class Settings:
 class Setup:
     settings: Settings
     config: Config  # the reference path's config
+    base_config: Config  # the config as given (the production variant's cache and [engine])
     engine: object  # reference Engine at settings.tp
     params: object  # reference float weights (drawn once)
     inputs: R.Inputs
@@ -108,8 +109,12 @@ class Report:
         return [r.name for r in self.rows if not r.note.startswith("skipped") and not r.ok]
 
 
+def _given_config(settings: Settings) -> Config:
+    return settings.config if isinstance(settings.config, Config) else load_config(settings.config)
+
+
 def build_config(settings: Settings) -> Config:
-    cfg = load_config(settings.config)
+    cfg = _given_config(settings)
     model = {}
     if settings.blocks:
         model["num_blocks"] = settings.blocks
@@ -127,10 +132,11 @@ def prepare(settings: Settings) -> Setup:
     if settings.fp8_grid_weights:
         notes.append("reference block weights on the FP8 grid (e4m3 x power-of-two scale per layer): "
                      "FP8-weight variants run the same model; their divergence is the FP8 arithmetic")
-    if settings.blocks and settings.blocks != load_config(settings.config).model.num_blocks:
-        notes.append(f"reduced depth: {cfg.name} with {settings.blocks} of {load_config(settings.config).model.num_blocks} blocks (full width)")
+    full_depth = _given_config(settings).model.num_blocks
+    if settings.blocks and settings.blocks != full_depth:
+        notes.append(f"reduced depth: {cfg.name} with {settings.blocks} of {full_depth} blocks (full width)")
     with timer("init"):
-        engine = R.make_engine(ref_cfg, settings.tp, R.REFERENCE)
+        engine = R.make_engine(ref_cfg, settings.tp)
         params = engine.init_params(jax.random.key(settings.seed))
         if settings.fp8_grid_weights:
             params = R.snap_to_fp8_grid(params)
@@ -146,7 +152,7 @@ def prepare(settings: Settings) -> Setup:
             notes.append(f"frames decoded with a reduced decoder (channels {list(dcfg.decoder.channels)}, same structure), fixed random weights")
         else:
             notes.append(f"frames decoded with the config's decoder (channels {list(dcfg.decoder.channels)}), fixed random weights, every step")
-    return Setup(settings, ref_cfg, engine, params, inputs, decoder, timer, notes, started)
+    return Setup(settings, ref_cfg, cfg, engine, params, inputs, decoder, timer, notes, started)
 
 
 def _sync(setup: Setup) -> bool:
@@ -181,7 +187,7 @@ def run_reference(setup: Setup) -> Reference:
         key = (rr.tp, rr.ulp_seed or None)  # ulp runs also nudge the in-step noise
         if key not in engines:
             with setup.timer("compile+run reference"):
-                e = R.make_engine(setup.config, rr.tp, R.REFERENCE, noise_ulp_seed=key[1])
+                e = R.make_engine(setup.config, rr.tp, noise_ulp_seed=key[1])
                 engines[key] = (e, R.place_params(e, setup.params, setup.engine))
         engine, params = engines[key]
         inputs = R.perturb(setup.inputs, setup.config, rr.ulp_seed) if rr.ulp_seed else setup.inputs
@@ -213,11 +219,13 @@ def run_variant(setup: Setup, name: str, base_frames=None) -> Trajectory:
     setup.log(name + (f" ({res.note})" if res.note else ""))
     try:
         with setup.timer(f"compile+run {name}"):
-            cfg = R.variant_config(setup.config, res.variant)
-            engine = R.make_engine(cfg, setup.settings.tp, res.variant)
+            cfg = R.variant_config(setup.config, res.variant, setup.base_config)
+            engine = R.make_engine(cfg, setup.settings.tp)
             params = R.place_params(engine, setup.params, setup.engine)
             lat = R.run_session(engine, params, setup.inputs, _sync(setup))
             del params, engine
+    except ConfigError as err:  # a kernel the variant names does not run here
+        return Trajectory(name, None, note=f"skipped: {err}", skipped=True)
     except Exception as err:  # one failing variant must not hide the others' results
         setup.log(f"{name} failed:\n{traceback.format_exc()}")
         return Trajectory(name, None, note=f"skipped: failed ({type(err).__name__}: {str(err).splitlines()[0][:120]})", error=repr(err), skipped=True)

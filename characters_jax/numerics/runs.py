@@ -24,18 +24,26 @@ from characters_jax.config import Config
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """How a run differs from the reference path. cache_dtype None: the reference's."""
+    """How a run differs from the reference path: its cache (cache_dtype None: the
+    reference's), FP8 block weights and their activations' scales (None: the config's),
+    and its [engine] table (``config.EngineConfig``'s fields). from_config: the cache and
+    the [engine] table are the config's as given (with the command line's overrides):
+    the model as it serves."""
 
     name: str
     cache_mode: str = "launch"
     cache_dtype: str | None = None
     attention: str = "reference"
     reduce: str = "psum"
+    kernels: str = "none"
     fp8_weights: bool = False
-    gemm: str = "xla"
     activation_scale: str | None = None  # FP8 activations per 'tensor' | 'row'; None: the config's
-    out_down: str = "joined"  # EngineOptions.out_down: attention-out + MLP-down in one GEMM, or chained
+    from_config: bool = False
     description: str = ""
+
+    @property
+    def engine(self) -> dict[str, str]:
+        return {"attention": self.attention, "reduce": self.reduce, "kernels": self.kernels}
 
 
 REFERENCE = Variant("reference", description="launch cache, reference attention, plain GEMMs, psum")
@@ -46,15 +54,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("ring-bf16", cache_mode="ring", cache_dtype="bf16", description="ring cache, bf16, RoPE at write"),
         Variant("ring-fp8", cache_mode="ring", cache_dtype="fp8", description="ring cache, FP8 e4m3, scales on device"),
         Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
-        Variant("fp8-attention-exp2", cache_mode="ring", cache_dtype="fp8", attention="pallas-exp2", description="ring FP8 cache + the Pallas kernel with P from ex2 + cvt and the eager rescale"),
-        Variant("fp8-attention-qik", cache_mode="ring", cache_dtype="fp8", attention="pallas-qik", description="ring FP8 cache + the Pallas kernel quantizing Q itself"),
+        Variant("qkv-kernel", cache_mode="ring", cache_dtype="fp8", attention="pallas", kernels="qkv", description="as fp8-attention, QK-norm, RoPE, Q's e4m3 parts and the K/V cache write by one kernel"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
-        Variant("stacked-gemm", fp8_weights=True, gemm="stacked", description="FP8 GEMMs reading the layer stack in place (Pallas on Hopper)"),
-        Variant("stacked-gemm-row", fp8_weights=True, gemm="stacked", activation_scale="row", description="as stacked-gemm, activations quantized with one scale per row (token)"),
-        Variant("stacked-gemm-row-chained", fp8_weights=True, gemm="stacked", activation_scale="row", out_down="chained", description="as stacked-gemm-row, attention-out and MLP-down as two GEMMs (the joined one-loop form's ablation)"),
+        Variant("stacked-gemm", fp8_weights=True, kernels="gemm", description="FP8 GEMMs reading the layer stack in place (the stacked Pallas GEMM on Hopper, its reference elsewhere)"),
+        Variant("stacked-gemm-row", fp8_weights=True, kernels="gemm", activation_scale="row", description="as stacked-gemm, activations quantized with one scale per row (token)"),
+        Variant("quant-kernels", fp8_weights=True, kernels="gemm+quant", activation_scale="row", description="as stacked-gemm-row, each GEMM input's norm / GELU and per-row quantization by one kernel"),
         Variant("fused-reduce", fp8_weights=True, reduce="pallas", description="FP8 GEMMs + fused Pallas GEMM/all-reduce"),
         Variant("ppermute", reduce="ppermute", description="ppermute ring reduction overlapping the GEMM"),
-        Variant("production", cache_mode="ring", cache_dtype="fp8", attention="auto", fp8_weights=True, reduce="auto", gemm="auto", description="everything on: ring FP8, attention auto, FP8 GEMMs (gemm auto), reduce auto"),
+        Variant("production", fp8_weights=True, from_config=True, description="as it serves: FP8 GEMMs, the config's cache and [engine] table (auto: every kernel that runs here)"),
     )
 }
 
@@ -70,9 +77,9 @@ class Resolved:
 
 def resolve(variant: Variant, tp: int) -> Resolved:
     """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU."""
-    from pallas_kernels import fp8_attention, fp8_gemm_allreduce
+    from pallas_kernels import device, fp8_attention, fp8_gemm_allreduce
 
-    if variant.attention in fp8_attention.PALLAS_IMPLS and not fp8_attention.is_hopper():
+    if variant.attention in fp8_attention.PALLAS_IMPLS and not device.is_hopper():
         return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
                         f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
     if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():
@@ -127,9 +134,24 @@ def nudge_ulp(x: np.ndarray, dtype, seed: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def nudge_noise_ulp(x: jax.Array, key) -> jax.Array:
+    """Moves each nonzero float32 element one ulp up or down in magnitude (random sign)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    step = jnp.where(jax.random.bernoulli(key, 0.5, x.shape), 1, -1).astype(jnp.int32)
+    return jnp.where(x != 0, jax.lax.bitcast_convert_type(bits + step, jnp.float32), x)
+
+
+def noise_ulp_nudge(seed: int):
+    """The engine's noise transform (``Engine(noise_transform=...)``) that moves every step's
+    noise by one float32 ulp, a fresh random sign per element and step from ``seed``."""
+    def transform(x, step):
+        return nudge_noise_ulp(x, jax.random.fold_in(jax.random.key(seed), step))
+    return transform
+
+
 def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
     """The same inputs with the image latent and the audio features nudged by one ulp (the
-    in-step noise is nudged by the engine: `make_engine(..., noise_ulp_seed=seed)`)."""
+    in-step noise is nudged in the engine: ``make_engine(..., noise_ulp_seed=seed)``)."""
     dt = act_dtype(cfg)
     return dataclasses.replace(
         inputs,
@@ -139,27 +161,38 @@ def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
 
 
 def reference_config(cfg: Config, cache_dtype: str) -> Config:
-    """The reference path's config: launch cache in `cache_dtype`, plain GEMMs."""
+    """The reference path's config: launch cache in `cache_dtype`, plain GEMMs, the
+    reference's [engine] table."""
     wd = cfg.model.weight_dtype
     if wd == "fp8":
         wd = cfg.model.dtype
-    return cfg.replace(model={"weight_dtype": wd}, cache={"mode": "launch", "dtype": cache_dtype})
+    return cfg.replace(model={"weight_dtype": wd}, cache={"mode": "launch", "dtype": cache_dtype},
+                       engine=REFERENCE.engine)
 
 
-def variant_config(ref_cfg: Config, v: Variant) -> Config:
+def variant_config(ref_cfg: Config, v: Variant, base_cfg: Config | None = None) -> Config:
+    """The variant's config from the reference's; base_cfg: the config as given (cache and
+    [engine] table of a ``from_config`` variant; default ref_cfg's)."""
     model = {"weight_dtype": "fp8"} if v.fp8_weights else {}
     if v.activation_scale:
         model["activation_scale"] = v.activation_scale
-    return ref_cfg.replace(model=model, cache={"mode": v.cache_mode, "dtype": v.cache_dtype or ref_cfg.cache.dtype})
+    if v.from_config:
+        base = base_cfg or ref_cfg
+        cache, engine = dataclasses.asdict(base.cache), dataclasses.asdict(base.engine)
+    else:
+        cache = {"mode": v.cache_mode, "dtype": v.cache_dtype or ref_cfg.cache.dtype}
+        engine = v.engine
+    return ref_cfg.replace(model=model, cache=cache, engine=engine)
 
 
-def make_engine(cfg: Config, tp: int, v: Variant, noise_ulp_seed: int | None = None):
-    from characters_jax.engine.step import Engine, EngineOptions
+def make_engine(cfg: Config, tp: int, noise_ulp_seed: int | None = None):
+    """The engine of ``cfg`` (its [engine] table); noise_ulp_seed: every step's noise
+    nudged by one ulp (``noise_ulp_nudge``), a run-to-run perturbation of the reference."""
+    from characters_jax.engine.step import Engine
     from characters_jax.parallel.sharding import make_mesh
 
-    options = EngineOptions(attention=v.attention, reduce=v.reduce, gemm=v.gemm, out_down=v.out_down,
-                            noise_ulp_seed=noise_ulp_seed)
-    return Engine(cfg, make_mesh(tp), options)
+    nudge = None if noise_ulp_seed is None else noise_ulp_nudge(noise_ulp_seed)
+    return Engine(cfg, make_mesh(tp), noise_transform=nudge)
 
 
 def _block_weight_key(key: str) -> bool:

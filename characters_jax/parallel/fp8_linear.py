@@ -10,14 +10,9 @@ first, and the product's row m is scaled by it after the GEMM).  The product is 
 FP8 operands contracting K of both, so the (N, K) weight is consumed as stored
 (no transpose) and XLA on NVIDIA GPUs emits its cuBLASLt FP8 GEMM.
 
-The scales are applied after the GEMM: the FP8 dot writes f32 (or bf16, see
-``accumulate_dtype``), then one multiply by x_scale * w_scale (scalar, or [N] per
-channel) and a convert.  A dequantize-pattern form,
-``dot(convert(x8)->bf16 * a, convert(w8)->bf16 * b)`` for XLA's GEMM rewriter to fold
-into the cuBLASLt call's A/B scales, was tried and removed: on jax 0.11.2 (H200) at the
-model's shapes XLA materialized the bf16 weight (a multiply fusion over [N, K]) and ran a
-bf16 GEMM instead of an FP8 one, for the GEMM alone as it had earlier inside the scanned
-step (BUILD_NOTES has the history).  So only this post-scaled form exists.
+The scales are applied after the GEMM: the FP8 dot writes f32, then one multiply by
+x_scale * w_scale (scalar, or [N] per channel) and a convert (the post-scaled form;
+BUILD_NOTES, "tried and rejected", has the dequantize-pattern form).
 
 Shapes and dtypes:
   ``Fp8Weight.values``  [N, K] float8_e4m3fn
@@ -33,9 +28,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448.0
-AMAX_FLOOR = 1e-12  # keeps the scale of an all-zero tensor (or row) finite
+from pallas_kernels import fp8_gemm_stacked
+from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
+from pallas_kernels.numerics import (AMAX_FLOOR, FP8 as FP8_DTYPE, FP8_MAX, quantize_activation,
+                                     row_broadcast as _row_broadcast, scale_from_amax, to_fp8)
+
 # How activations are scaled for FP8: one scale per tensor, or one per row (token).
 ACT_SCALES = ("tensor", "row")
 
@@ -125,24 +122,10 @@ class Fp8Activation:
         return (self.values.astype(jnp.float32) * _row_broadcast(self.row_scales())).astype(dtype)
 
 
-def _row_broadcast(scale: jax.Array) -> jax.Array:
-    """[] stays []; per-row [...] -> [..., 1], to multiply [..., K] or [..., N]."""
-    return scale[..., None] if scale.ndim else scale
-
-
 def check_act_scale(act_scale: str) -> str:
     if act_scale not in ACT_SCALES:
         raise ValueError(f"unknown activation scale {act_scale!r}; expected one of {ACT_SCALES}")
     return act_scale
-
-
-def _scale_from_amax(amax: jax.Array) -> jax.Array:
-    return jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / FP8_MAX
-
-
-def _to_fp8(x: jax.Array, inv_scale: jax.Array) -> jax.Array:
-    scaled = x.astype(jnp.float32) * inv_scale
-    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
 
 def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
@@ -151,20 +134,9 @@ def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
         raise ValueError(f"expected a [N, K] weight, got shape {w.shape}")
     absw = jnp.abs(w.astype(jnp.float32))
     amax = jnp.max(absw, axis=1) if per_channel else jnp.max(absw)
-    scale = _scale_from_amax(amax)
+    scale = scale_from_amax(amax)
     inv = 1.0 / (scale[:, None] if per_channel else scale)
-    return Fp8Weight(values=_to_fp8(w, inv), scale=scale)
-
-
-def quantize_activation(x: jax.Array, per_row: bool = False) -> tuple[jax.Array, jax.Array]:
-    """FP8 quantization on the device: x [..., K] -> (x_fp8 [..., K], scale f32), the scale
-    [] per tensor or [...] per row (the maximum over K of each row).
-
-    The absolute maximum is reduced on the device; nothing is read by the host.
-    """
-    amax = jnp.max(jnp.abs(x), axis=-1) if per_row else jnp.max(jnp.abs(x))
-    scale = _scale_from_amax(amax)
-    return _to_fp8(x, _row_broadcast(1.0 / scale)), scale
+    return Fp8Weight(values=to_fp8(w, inv), scale=scale)
 
 
 def quantize(x, act_scale: str = "tensor") -> Fp8Activation:
@@ -184,7 +156,7 @@ def fp8_dot(x_fp8: jax.Array, w_fp8: jax.Array, out_dtype) -> jax.Array:
     )
 
 
-def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "tensor") -> jax.Array:
+def linear(x, w, out_dtype=None, *, act_scale: str = "tensor") -> jax.Array:
     """y = x @ w.T for x [..., K] and w an ``Fp8Weight`` or a float [N, K] array.
 
     Args:
@@ -192,8 +164,6 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
         then out_dtype is required).
       w: ``Fp8Weight`` (values [N, K] e4m3, scale [] or [N]) or a float [N, K].
       out_dtype: dtype of the result (default x.dtype).
-      accumulate_dtype: dtype the FP8 GEMM writes before the scales are applied
-        (default f32; bf16 halves the bytes written).  Unused for float weights.
       act_scale: how float x is quantized for FP8 weights: 'tensor' | 'row'.
     Returns:
       [..., N] in ``out_dtype``.
@@ -212,7 +182,7 @@ def linear(x, w, out_dtype=None, *, accumulate_dtype=None, act_scale: str = "ten
     if w.stacked:
         return _stacked_linear(x, w, out_dtype, act_scale=act_scale)
     xq = quantize(x, act_scale)
-    y = fp8_dot(xq.values, w.values, accumulate_dtype or jnp.float32)
+    y = fp8_dot(xq.values, w.values, jnp.float32)
     return (y.astype(jnp.float32) * _row_broadcast(xq.row_scales()) * w.scale).astype(out_dtype)
 
 
@@ -231,9 +201,6 @@ def _stacked_linear(x, w: Fp8Weight, out_dtype, addend=None, act_scale: str = "t
                     lead=None) -> jax.Array:
     """x [..., K] @ (block `w.layer` of the stack).T (+ lead's product) (+ addend [..., N]),
     the weight read in place."""
-    from pallas_kernels import fp8_gemm_stacked
-    from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
-
     if w.per_channel or (lead is not None and lead[1].per_channel):
         raise ValueError("the stacked FP8 GEMM takes per-tensor scales")
     if fp8_gemm_stacked.is_supported() and not (
@@ -287,8 +254,6 @@ def stacked_linear(x, w: Fp8Weight, out_dtype=None, addend=None, act_scale: str 
 
 def stacked_gemm_runs_kernel(w: Fp8Weight) -> bool:
     """Whether ``stacked_linear`` with this (stacked) weight runs the Pallas kernel here."""
-    from pallas_kernels import fp8_gemm_stacked
-
     n, k = w.values.shape[-2:]
     return (w.values.dtype == FP8_DTYPE and fp8_gemm_stacked.fits(n, k)
             and fp8_gemm_stacked.is_supported())

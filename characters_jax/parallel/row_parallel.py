@@ -23,10 +23,6 @@ Methods (the ``method`` argument):
               (``pallas_kernels.fp8_gemm_allreduce``), NVIDIA Hopper only; output
               tiles are pushed to the peers as they finish while later tiles compute.
               Stacked weights (``Fp8Weight.layer``) are read in place by the kernel.
-  'pallas-stream-k'  the same exchange on the stream-K schedule of the stacked GEMM
-              (``fp8_gemm_allreduce.STREAM_K_CONFIG``: the K steps dealt out evenly
-              over the SMs, cut tiles merged on the own GPU before they travel); with
-              ``join`` a second stacked pair (attention-out) leads in its accumulator.
   'auto'      the best measured method for the backend (see ``resolve_method``).
 
 Activation scales (``act_scale``): 'tensor' quantizes each x with one scale; 'row' with
@@ -41,7 +37,7 @@ At tp = 1 there is nothing to reduce: with stacked weights the fused methods tak
 data-parallel GEMM is slower; BUILD_NOTES, "tp=1 row-parallel").
 
 Stacked FP8 weights on the 'psum' path: the two largest-K products run as one stream-K
-GEMM (the smaller leading in the same accumulator; ``join``), any others are chained
+GEMM (the smaller leading in the same accumulator), any others are chained
 through the stacked GEMM's epilogue addend (``stacked_partial``), and, where the Pallas kernel runs, x is
 quantized and then padded to a multiple of 8 rows (the kernel's TMA tiling; 757 -> 760),
 not 16, so the pad fuses into the quantization.
@@ -59,9 +55,7 @@ from characters_jax.parallel.fp8_linear import (
     Fp8Activation, Fp8Weight, check_act_scale, fp8_dot, linear, quantize, stacked_gemm_runs_kernel,
     stacked_linear)
 
-METHODS = ("psum", "ppermute", "pallas", "pallas-stream-k", "auto")
-# The methods that run the fused GEMM + all-reduce kernel.
-FUSED_METHODS = ("pallas", "pallas-stream-k")
+METHODS = ("psum", "ppermute", "pallas", "auto")
 # 'auto' uses the fused kernel for calls with at most this many (x, w) pairs.
 AUTO_FUSED_MAX_PAIRS = 2
 # FP8 GEMMs want M a multiple of 16 (XLA pads x and slices the output otherwise);
@@ -79,10 +73,10 @@ def resolve_method(method: str, backend: str | None = None, pairs=None) -> str:
     'auto' picks the fused kernel ('pallas') for up to ``AUTO_FUSED_MAX_PAIRS``
     FP8 pairs with per-tensor scales and tileable shapes on NVIDIA Hopper, where a
     single pair measured faster than XLA dot + psum (BUILD_NOTES.md, "FP8 GEMM +
-    all-reduce (issue 5)"); 'psum' everywhere else.  The model's two-pair call
-    (attention-out as the addend of MLP-down) is included: with the entry handshake
-    its numerics equal FP8 GEMMs + psum (numerics GPU run 3), and the block's o + down
-    took 358 us against 402 us for stacked GEMMs + psum (H200 x 2; BUILD_NOTES.md).
+    all-reduce"); 'psum' everywhere else.  The model's two-pair call (attention-out as
+    the addend of MLP-down) is included: with the entry handshake its numerics equal
+    FP8 GEMMs + psum (the numerics harness), and the block's o + down took 358 us
+    against 402 us for stacked GEMMs + psum (H200 x 2; BUILD_NOTES.md).
     """
     if method not in METHODS:
         raise ValueError(f"unknown reduction method {method!r}; expected one of {METHODS}")
@@ -165,14 +159,14 @@ def joinable(lead, main) -> bool:
 
 
 def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
-                    act_scale: str = "tensor", join: bool = True) -> jax.Array:
+                    act_scale: str = "tensor") -> jax.Array:
     """Sum over pairs of x @ w.T for stacked per-tensor FP8 weights: [M, N] out_dtype.
 
-    join (default): the two largest-K pairs, where ``joinable``, run as one stream-K GEMM
-    over both K ranges (the smaller's product leading in the same accumulator): for the
-    block's attention-out + MLP-down one kernel and no [M, N] partial between two.
-    Otherwise (and for the rest) the products are chained through the GEMM's epilogue
-    addend, smallest K first: each product is written once, in the dtype the next GEMM
+    The two largest-K pairs, where ``joinable``, run as one stream-K GEMM over both K
+    ranges (the smaller's product leading in the same accumulator): for the block's
+    attention-out + MLP-down one kernel and no [M, N] partial between two. Otherwise (and
+    for the rest) the products are chained through the GEMM's epilogue addend, smallest K
+    first: each product is written once, in the dtype the next GEMM
     reads as its addend, and the last one in out_dtype.  With the stacked Pallas kernel
     that dtype is out_dtype (bf16 for the model: one bf16 [M, N] write and read instead of
     two f32 outputs, an XLA add and a convert); on the reference path it is float32, so
@@ -180,7 +174,7 @@ def stacked_partial(pairs: Sequence[tuple[jax.Array, Fp8Weight]], out_dtype,
     """
     order = sorted(pairs, key=lambda p: p[0].shape[1])
     lead = None
-    if join and len(order) >= 2 and joinable(order[-2], order[-1]):
+    if len(order) >= 2 and joinable(order[-2], order[-1]):
         lead, order = order[-2], order[:-2] + order[-1:]
     acc = None
     for i, (x, w) in enumerate(order):
@@ -202,8 +196,7 @@ def _pad_activation(xq: Fp8Activation, rows: int) -> Fp8Activation:
     return xq if xq.shape[0] == rows else Fp8Activation(_pad_rows(xq.values, rows), xq.scale)
 
 
-def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
-                        join: bool = True) -> jax.Array:
+def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
     m = pairs[0][0].shape[0]
     stacked = _all_stacked(pairs)
     # 8 rows for the stacked kernel; elsewhere 16 (XLA's FP8 GEMM; the reference path keeps
@@ -219,7 +212,7 @@ def _psum_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
         pairs = [(_pad_rows(x, mp), w) for x, w in pairs]
     else:
         mp = m
-    partial = (stacked_partial(pairs, out_dtype, act_scale, join) if stacked
+    partial = (stacked_partial(pairs, out_dtype, act_scale) if stacked
                else local_partial(pairs, out_dtype, act_scale))
     out = lax.psum(partial, axis_name)
     return out[:m] if mp != m else out
@@ -290,23 +283,15 @@ def _ppermute_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) ->
     return _ring_all_reduce_rows(chunk_partial, m, tp, axis_name)
 
 
-def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
-                          stream_k: bool = False, join: bool = True) -> jax.Array:
+def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str) -> jax.Array:
     from pallas_kernels import fp8_gemm_allreduce
 
     # The fused kernel runs the pair with the largest K; the others are computed first
     # (XLA, or the stacked kernel for stacked weights) and enter the kernel's epilogue as an
     # addend in out_dtype.  Stacked weights are read in place (``layer``), never sliced.
-    # On the stream-K schedule (join) the next largest, where ``joinable``, leads in the
-    # fused kernel's own accumulator instead.
     order = sorted(range(len(pairs)), key=lambda i: pairs[i][0].shape[1])
     x, w = pairs[order[-1]]
     rest = [pairs[i] for i in order[:-1]]
-    lead = None
-    if stream_k and join and rest and joinable(rest[-1], (x, w)):
-        lx, lw = rest.pop()
-        lq = quantize(lx, act_scale)
-        lead = (lq.values, lw.values, lw.scale, lq.scale)
     if not rest:
         addend = None
     elif _all_stacked(rest):
@@ -315,18 +300,16 @@ def _pallas_matmul_reduce(pairs, axis_name: str, out_dtype, act_scale: str,
         addend = local_partial(rest, out_dtype, act_scale)
     if not isinstance(w, Fp8Weight):
         raise NotImplementedError("method='pallas' needs an Fp8Weight for the fused pair")
-    config = fp8_gemm_allreduce.STREAM_K_CONFIG if stream_k else None
     xq = quantize(x, act_scale)
     # A stack's scales whole (the kernels read the layer's); a single weight's as it is.
     return fp8_gemm_allreduce.gemm_allreduce(xq.values, w.values, w.scale, layer=w.layer,
                                              addend=addend, axis_name=axis_name,
-                                             out_dtype=out_dtype, x_scale=xq.scale, config=config,
-                                             lead=lead)
+                                             out_dtype=out_dtype, x_scale=xq.scale)
 
 
 def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
                                method: str = "psum", out_dtype=None,
-                               act_scale: str = "tensor", join: bool = True) -> jax.Array:
+                               act_scale: str = "tensor") -> jax.Array:
     """All-reduced row-parallel product, inside a shard_map body over ``axis_name``.
 
     Args:
@@ -334,14 +317,11 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
         pairs whose products are summed before the single reduction.
       w_shard: [N, K/tp] ``Fp8Weight`` or float array (omit when passing pairs).
       axis_name: the tensor-parallel mesh axis.
-      method: 'psum' | 'ppermute' | 'pallas' | 'pallas-stream-k' | 'auto' (module docstring).
+      method: 'psum' | 'ppermute' | 'pallas' | 'auto' (module docstring).
       out_dtype: dtype of the result and of the communicated partials
         (default: the first activation's dtype).
       act_scale: how activations are quantized for FP8 weights: 'tensor' | 'row'
         (module docstring).
-      join: stacked FP8 pairs on the stream-K kernel ('psum' with stacked weights, and
-        'pallas-stream-k'): the two largest-K pairs in one GEMM (``stacked_partial``);
-        False chains them through the epilogue addend (two GEMMs; the ablation).
     Returns:
       [M, N] = sum over devices (and pairs) of x @ w.T, replicated on every device.
     """
@@ -356,17 +336,16 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     out_dtype = jnp.dtype(out_dtype)
     pairs = _align_rows(pairs, act_scale)
     method = resolve_method(method, jax.default_backend(), pairs)
-    if method in FUSED_METHODS and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
+    if method == "pallas" and lax.axis_size(axis_name) == 1 and _all_stacked(pairs):
         method = "psum"  # no peers: the stacked (stream-K) GEMMs alone
     if method == "psum":
-        out = _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale, join)
+        out = _psum_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     elif method == "ppermute":
         # The ring takes one [N, K] weight: stacked weights are sliced out (an XLA copy).
         pairs = [(x, w.at_layer() if isinstance(w, Fp8Weight) else w) for x, w in pairs]
         out = _ppermute_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     else:
-        out = _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale,
-                                    stream_k=method == "pallas-stream-k", join=join)
+        out = _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     return out[:m]
 
 

@@ -42,3 +42,9 @@ def make_mesh(tp: int, devices=None) -> Mesh:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def named_shardings(mesh: Mesh, specs):
+    """A pytree of PartitionSpecs -> the same tree of NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))

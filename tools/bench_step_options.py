@@ -20,11 +20,11 @@ Option sets (`--sets`, comma-separated names):
   cb_min1     the default command-buffer types, graphs of any size (min graph size 1)
 
 `--share N` cuts the model to one GPU's share of tp = N (num_heads / N, mlp_dim / N), as
-`benchmarks/gpu_tp_share.sh` does, and runs it at tp = 1.
+`benchmarks/run.py share` does, and runs it at tp = 1.
 
-Run (one GPU):  PYTHONPATH=. python3 benchmarks/bench_step_options.py --config characters-57b \
+Run (one GPU):  PYTHONPATH=. python3 tools/bench_step_options.py --config characters-57b \
                   --share 4 --json $OUT/step_options.json
-CPU smoke:      python benchmarks/bench_step_options.py --config tiny --steps 2 --rounds 1
+CPU smoke:      python tools/bench_step_options.py --config tiny --steps 2 --rounds 1
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ fused GEMM + all-reduce, collectives, other) stacked, a diamond at the device-bu
 (union of kernels: below the stack when the NCCL stream overlaps compute), a bar-wide tick at the
 bench's step p50 (wall), and the real-time budget as a dashed line.
 
-    python3 benchmarks/plot_breakdown.py OUT/step_*.json --out OUT/breakdown.png
+    python3 tools/plot_breakdown.py OUT/ablation_*.json --out OUT/breakdown.png
+
+(`benchmarks/run.py ablation --profile` draws it.)
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ COLORS = {"cache_upkeep": "#d62728", "attention": "#1f77b4", "gemm": "#2ca02c", 
 
 
 def variant_label(r: dict) -> str:
-    """e.g. 'ring\\nattn cudnn\\nreduce psum' from a bench result."""
-    kv = "" if r.get("kv_in_place", True) or r.get("mode") != "ring" else " (K/V sliced)"
-    gemm = f"\ngemm {r['gemm']}" if r.get("gemm") else ""
-    return f"{r.get('mode', '?')}\nattn {r.get('attention', '?')}{kv}{gemm}\nreduce {r.get('reduce', '?')}\ntp={r.get('tp', '?')}"
+    """e.g. 'ring\nattn pallas\nreduce psum\nkernels gemm\ntp=2' from a bench result."""
+    engine = r.get("engine") or {}
+    return (f"{r.get('mode', '?')}\nattn {r.get('attention', '?')}\nreduce {r.get('reduce', '?')}"
+            f"\nkernels {engine.get('kernels', '?')}\ntp={r.get('tp', '?')}")
 
 
 def load(paths: list[str]) -> list[tuple[str, dict]]:
