@@ -44,8 +44,8 @@ demo-assets: $(STAMP)
 	$(PY) -m characters_jax.serving.assets
 
 bench-tiny: $(STAMP)
-	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --mode ring --steps 50
-	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --mode launch --steps 50
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --cache-mode ring --steps 50
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --cache-mode launch --steps 50
 
 clean:
 	rm -rf $(VENV) out build *.egg-info characters_jax/protos_gen

@@ -192,25 +192,6 @@ class StepSpec:
         raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={self.max_prompt_tokens}")
 
 
-def share_config(cfg, n: int):
-    """One GPU's share of tp = n, to run at tp = 1: num_heads / n and mlp_dim / n (residual
-    width, norms, modulation and cache rows as at tp = n), named '<name>-share-of-tp<n>'."""
-    m = cfg.model
-    if m.num_heads % n or m.mlp_dim % n:
-        raise ValueError(f"{cfg.name} does not split {n} ways (num_heads {m.num_heads}, mlp_dim {m.mlp_dim})")
-    return dataclasses.replace(cfg.replace(model={"num_heads": m.num_heads // n, "mlp_dim": m.mlp_dim // n}),
-                               name=f"{cfg.name}-share-of-tp{n}")
-
-
-def step_flops(cfg) -> float:
-    """Matmul FLOPs of one step (the formula of ``characters_jax.engine.step.step_flops``):
-    passes x blocks x (the four projections + attention over every cache slot)."""
-    m, t = cfg.model, cfg.tokens_per_step
-    gemm = 2 * t * (m.d_model * m.num_heads * m.head_dim * 4 + 2 * m.d_model * m.mlp_dim)
-    attn = 4 * t * cfg.cache_slots * m.num_heads * m.head_dim
-    return float(cfg.sampler.num_passes * m.num_blocks * (gemm + attn))
-
-
 def reset_steps(num_steps: int, ring_frames: int, reset_period: int) -> set[int]:
     """The step indices of a session that pay a position reset (the engine's schedule)."""
     out, t = set(), 1
@@ -1403,6 +1384,7 @@ def main(argv=None) -> int:
         err(f"torch is not importable ({TORCH_IMPORT_ERROR}); --side jax runs the JAX step alone")
         return 2
     from characters_jax.config import ConfigError, load_config
+    from characters_jax.measure import upkeep
 
     try:
         if args.steps < 1:
@@ -1413,7 +1395,7 @@ def main(argv=None) -> int:
             raise ValueError("--share runs one GPU's share at tp = 1: give --share or --tp, not both")
         cfg = load_config(args.config)
         if args.share > 1:
-            cfg = share_config(cfg, args.share)
+            cfg = cfg.share_of_tp(args.share)
         cfg.validate_tp(args.tp)
     except (ConfigError, ValueError) as e:
         err(str(e))
@@ -1423,7 +1405,7 @@ def main(argv=None) -> int:
     inputs = session_inputs(cfg, 1, args.seed)
     command = "python benchmarks/torch_step.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"config": cfg.name, "tp": args.tp, "share": args.share, "command": command,
-              "step_flops": step_flops(cfg), "timed_steps": args.steps, "warmup": args.warmup,
+              "step_flops": upkeep.step_flops(cfg), "timed_steps": args.steps, "warmup": args.warmup,
               "prompt_tokens": len(inputs.prompt),
               "notes": ["JAX first (then its arrays and backends freed), PyTorch after it "
                         + ("in the same process" if args.tp == 1 else f"in {args.tp} spawned processes (NCCL)")

@@ -16,7 +16,8 @@ COMMAND_MODULES = (
     "characters_jax.checkpoint",  # init-checkpoint
     "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
     "characters_jax.numerics",  # numerics
-    "characters_jax.data.commands",  # data, lipsync
+    "characters_jax.data.commands",  # data
+    "characters_jax.lipsync.commands",  # lipsync
     "characters_jax.train.commands",  # train
 )
 

@@ -204,6 +204,18 @@ class Config:
         validate(out)
         return out
 
+    def share_of_tp(self, n: int) -> "Config":
+        """One GPU's share of tensor-parallel size n, to run at tp = 1 (what one GPU of the
+        tp = n step computes, without the all-reduce): num_heads / n and mlp_dim / n, the
+        residual width, norms, modulation and cache rows as at tp = n; named
+        '<name>-share-of-tp<n>'. ConfigError if the model does not split n ways."""
+        if n == 1:
+            return self
+        self.validate_tp(n)
+        m = self.model
+        shared = self.replace(model={"num_heads": m.num_heads // n, "mlp_dim": m.mlp_dim // n})
+        return dataclasses.replace(shared, name=f"{self.name}-share-of-tp{n}")
+
     def validate_tp(self, tp: int) -> None:
         if tp < 1:
             raise ConfigError(f"tp: must be >= 1, got {tp}")
@@ -335,6 +347,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cache.mode")
     g.add_argument("--cache-dtype", default=None, metavar="|".join(_CHOICES[("cache", "dtype")]),
                    help="cache.dtype")
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of ``add_engine_arguments`` that were given, as a command line (for a
+    command that starts another, e.g. demo -> serve)."""
+    out = []
+    for key in ("attention", "reduce", "kernels", "cache_mode", "cache_dtype"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out += ["--" + key.replace("_", "-"), str(value)]
+    return out
 
 
 def with_engine_arguments(cfg: Config, args: argparse.Namespace) -> Config:

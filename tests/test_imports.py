@@ -15,10 +15,6 @@ KERNEL_IMPORTS = {"jax", "jaxlib", "numpy", "__future__", "dataclasses", "functo
                   "operator", "types", "typing"}
 # The collective kernel: the single-device kernels must not import it.
 COLLECTIVE_KERNELS = {"pallas_kernels.fp8_gemm_allreduce"}
-# The one package cycle outside this tree's engine, model and kernels: decoder.service
-# imports serving.tensors, and serving.server imports the decoder. Remove it here once
-# serving.tensors lives below both.
-KNOWN_PACKAGE_CYCLES = {frozenset({"characters_jax.decoder", "characters_jax.serving"})}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -121,7 +117,7 @@ def test_no_package_import_cycles():
     for a, bs in edges.items():
         packages[_package(a)].update(_package(b) for b in bs if _package(b) != _package(a))
     cycles = {frozenset(c) for c in _cycles(packages)}
-    assert cycles <= KNOWN_PACKAGE_CYCLES, sorted(map(sorted, cycles - KNOWN_PACKAGE_CYCLES))
+    assert not cycles, sorted(map(sorted, cycles))
 
 
 def test_kernels_import_jax_numpy_and_each_other_only():

@@ -21,7 +21,7 @@ from characters_jax.serving.worker import WorkerOptions, resolve_limits
 from characters_jax.serving.images import ImageError, ImageLimits, load_reference_image
 from characters_jax.serving.playout import PlayoutClock
 from characters_jax.serving.session import SessionTable, SlotBusy
-from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
 
 
 LIMITS = Limits(60.0, 10.0)

@@ -10,7 +10,6 @@ from flax import nnx
 
 from characters_jax.config import load_config
 from characters_jax.engine.generator import DiTGenerator
-from characters_jax.engine.step import EngineOptions
 from characters_jax.train.dit_forward import clip_velocity, frame_times
 
 STEPS = 12
@@ -29,7 +28,7 @@ def test_frame_times_follow_the_engine():
 
 
 def _engine_run(cfg, image, prompt, audio):
-    gen = DiTGenerator(cfg, tp=1, seed=SEED, options=EngineOptions(attention="reference"))
+    gen = DiTGenerator(cfg.replace(engine={"attention": "reference"}), tp=1, seed=SEED)
     gen.start_session(image, prompt, seed=3)
     key = jax.random.wrap_key_data(jnp.asarray(np.asarray(gen.state.rng)))
     shape = (cfg.video.tokens_per_frame, cfg.model.latent_channels)

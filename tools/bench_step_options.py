@@ -30,7 +30,6 @@ CPU smoke:      python tools/bench_step_options.py --config tiny --steps 2 --rou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -68,20 +67,17 @@ def main(argv=None) -> int:
 
     import jax
 
-    from characters_jax.config import load_config
+    from characters_jax.config import ConfigError, load_config
     from characters_jax.engine.generator import DiTGenerator
     from characters_jax.measure.bench import random_session_inputs
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     cfg = load_config(args.config)
-    if args.share > 1:
-        m = cfg.model
-        if m.num_heads % args.share or m.mlp_dim % args.share:
-            print(f"bench_step_options: {cfg.name} does not split {args.share} ways", file=sys.stderr)
-            return 2
-        cfg = dataclasses.replace(cfg.replace(model={"num_heads": m.num_heads // args.share,
-                                                     "mlp_dim": m.mlp_dim // args.share}),
-                                  name=f"{cfg.name}-share-of-tp{args.share}")
+    try:
+        cfg = cfg.share_of_tp(args.share)
+    except ConfigError as err:
+        print(f"bench_step_options: --share {args.share}: {err}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     gen = DiTGenerator(cfg, tp=1, seed=args.seed)
     jax.block_until_ready((gen.params, gen.state))

@@ -54,7 +54,3 @@ def register(subparsers) -> None:
                    help="instead of shards: write clip --first-index's portrait (PNG) and speech (WAV) here")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_data)
-
-    from characters_jax.lipsync.commands import register as register_lipsync
-
-    register_lipsync(subparsers)

@@ -17,7 +17,7 @@ import numpy as np
 
 from characters_jax.decoder.runtime import VaeRuntime
 from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
-from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger("characters_jax.decoder")
 

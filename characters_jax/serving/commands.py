@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from characters_jax.config import add_engine_arguments
+
 
 def _serve(args) -> int:
     from characters_jax.serving.logs import setup_logging
@@ -82,6 +84,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-image-bytes", type=int, default=4 << 20)
     p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
     p.add_argument("--log-level", default="info")
+    add_engine_arguments(p)
     p.set_defaults(func=_serve)
 
     p = subparsers.add_parser("decode-serve", help="run the decoder process (DecoderService over gRPC)")
@@ -121,6 +124,7 @@ def register(subparsers) -> None:
     p.add_argument("--audio", default=None)
     p.add_argument("--prompt", default="a friendly character, talking")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_engine_arguments(p)
     p.set_defaults(func=_demo)
 
     p = subparsers.add_parser("view", help="the character live in a web page (WebRTC, loopback only)")

@@ -20,7 +20,7 @@ import numpy as np
 from characters_jax.config import Config
 from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
 from characters_jax.serving.channel_options import decoder_channel_options
-from characters_jax.serving.tensors import tensor_from_proto, tensor_to_proto
+from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger("characters_jax.serving.decoder_link")
 

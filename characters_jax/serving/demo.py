@@ -23,11 +23,11 @@ from characters_jax.serving.server import child_env
 def demo_command(args) -> int:
     from characters_jax.audio.pcm import read_wav
     from characters_jax.audio.timeline import Timeline
-    from characters_jax.config import load_config
+    from characters_jax.config import engine_argv, load_config, with_engine_arguments
     from characters_jax.serving.mp4 import probe_mp4
     from characters_jax.serving.talk import print_summary, run_talk
 
-    cfg = load_config(args.config)
+    cfg = with_engine_arguments(load_config(args.config), args)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     image, audio = pathlib.Path(args.image or assets.PORTRAIT), pathlib.Path(args.audio or assets.SPEECH)
@@ -36,7 +36,7 @@ def demo_command(args) -> int:
     print(f"demo: config {cfg.name}, random weights (no checkpoint); worker log -> {log_path}", flush=True)
     with tempfile.TemporaryDirectory(prefix="characters-demo-") as tmp:
         state_file = pathlib.Path(tmp) / "worker.json"
-        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file)]
+        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file), *engine_argv(args)]
         with open(log_path, "w") as log:
             worker = subprocess.Popen(argv, env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
             try:

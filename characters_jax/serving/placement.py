@@ -126,7 +126,7 @@ def generator_need(cfg: Config, tp: int) -> GeneratorNeed:
 
     from characters_jax.cache import kv_cache as kvc
     from characters_jax.engine.state import empty_state, state_partition_spec
-    from characters_jax.engine.step import param_partition_specs
+    from characters_jax.model.params import param_partition_specs
     from characters_jax.model.dit import DiT
     from characters_jax.parallel.sharding import TP, ShardingRules
 
@@ -134,7 +134,7 @@ def generator_need(cfg: Config, tp: int) -> GeneratorNeed:
     params = _per_device_bytes(abstract, param_partition_specs(abstract, ShardingRules()), tp)
     layout = kvc.CacheLayout.from_config(cfg)
     state = jax.eval_shape(lambda: empty_state(layout))
-    cache = _per_device_bytes(state, state_partition_spec(TP, layout), tp)
+    cache = _per_device_bytes(state, state_partition_spec(TP), tp)
     scale = (params + cache) / (60 * GIB)  # the workspace figure is characters-57b's at tp=1
     return GeneratorNeed(params, cache, int(GENERATOR_WORKSPACE_BYTES * min(1.0, max(scale, 0.01))))
 

@@ -167,7 +167,7 @@ def run_worker(args) -> int:
     """`serve`: the generator worker."""
     from characters_jax.audio.features import AudioFrontEnd
     from characters_jax.audio.timeline import Timeline
-    from characters_jax.config import load_config
+    from characters_jax.config import load_config, with_engine_arguments
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.images import ImageLimits
     from characters_jax.serving.metrics import WorkerMetrics
@@ -178,7 +178,7 @@ def run_worker(args) -> int:
 
     stop = _wait_for_stop()
     t_start = time.perf_counter()
-    cfg = load_config(args.config)
+    cfg = with_engine_arguments(load_config(args.config), args)
     try:
         options = worker_options(args)
     except ValueError as err:

@@ -80,29 +80,28 @@ def reconstruct(vae, frames: np.ndarray) -> np.ndarray:
 
 
 # The engine's portable paths, for a backend where a default kernel does not build.
-PORTABLE = dict(attention="reference", gemm="xla", input_quant="xla", qkv_prep="xla")
+PORTABLE = {"attention": "reference", "kernels": "none"}
 
 
 def make_generator(cfg: Config, log, checkpoint=None, seed: int = 0):
-    """DiTGenerator with the engine's default options (what `serve` runs), compiled by one
-    prefill and step; if that fails, the portable paths (`PORTABLE`). Returns (generator,
-    options used: None for the defaults)."""
+    """DiTGenerator with the config's engine options (what `serve` runs), compiled by one
+    prefill and step; if that fails, the portable paths (`PORTABLE`, an [engine] table).
+    Returns (generator, engine table used: None for the config's)."""
     from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.engine.step import EngineOptions
 
     v, m = cfg.video, cfg.model
 
-    def build(options):
-        gen = DiTGenerator(cfg, checkpoint=checkpoint, seed=seed, options=options)
+    def build(engine):
+        gen = DiTGenerator(cfg.replace(engine=engine), checkpoint=checkpoint, seed=seed)
         gen.start_session(np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32), [32], 0)
         np.asarray(gen.step(np.zeros((m.audio_tokens_per_step, m.audio_feature_dim), np.float32)))
         return gen
 
     try:
-        return build(EngineOptions()), None
+        return build({}), None
     except Exception as err:  # noted in the result
         log(f"eval: the engine's default paths failed ({type(err).__name__}: {err}); using {PORTABLE}")
-        return build(EngineOptions(**PORTABLE)), PORTABLE
+        return build(PORTABLE), PORTABLE
 
 
 def _mean(values) -> float:
