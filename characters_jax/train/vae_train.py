@@ -6,7 +6,9 @@ latents (a random fraction `latent_noise` of their RMS: the decoder learns to dr
 an imperfect generator gives it), and the decoder, from an empty temporal history as at
 the start of a session, redraws the frames. Loss: per pixel |d| + d^2 (RGB in [-1, 1]),
 weighted 1 + mouth_weight inside the mouth box (`geometry.mouth_mask`), plus latent_l2 times
-the latents' mean square.
+the latents' mean square, plus mouth_aux times the squared error of a linear read-out of
+each latent frame (`mouth_head`, trained with it, not kept) to its 4 frames' mouth state
+(jaw, width): the latents carry the mouth from the first steps on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class VaeSettings:
     latent_l2: float = 1e-4
     latent_noise: float = 0.15
     still_fraction: float = 0.1
+    mouth_aux: float = 0.0
     pool_identities: int = 2048
     pool_motions: int = 1024
     pool_span: int = 240  # frames of each motion (a window's head has drifted)
@@ -80,8 +83,16 @@ class Vae:
         return nnx.merge(self.dec_def, params["decoder"])(z, None, clip=clip)[0]
 
 
-def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key):
-    """video [B, T, H, W, 3], mask [B, T, H, W] -> (loss, metrics)."""
+def mouth_head(cfg: Config) -> dict:
+    """The read-out of the mouth state from a latent frame: w [gh * gw * C, 4 * 2], b [8]."""
+    v = cfg.video
+    n = v.tokens_per_frame * cfg.model.latent_channels
+    return {"w": jnp.zeros((n, 2 * v.frames_per_step), jnp.float32), "b": jnp.zeros((2 * v.frames_per_step,), jnp.float32)}
+
+
+def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key, poses=None):
+    """video [B, T, H, W, 3], mask [B, T, H, W], poses [B, T, FRAME_PARAMS] (for mouth_aux)
+    -> (loss, metrics)."""
     z = jax.vmap(lambda v: vae.encode(params, v))(video)  # [B, K, gh, gw, C]
     k1, k2 = jax.random.split(key)
     rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(z * z, axis=(1, 2, 3, 4), keepdims=True) + 1e-8))
@@ -94,7 +105,16 @@ def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key):
     reg = jnp.mean(z * z)
     mouth_l1 = jnp.sum(jnp.mean(jnp.abs(d), -1) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
     loss = rec_loss + s.latent_l2 * reg
-    return loss, {"loss": loss, "l1": jnp.mean(jnp.abs(d)), "mouth_l1": mouth_l1, "z_rms": jnp.sqrt(reg)}
+    metrics = {"loss": loss, "l1": jnp.mean(jnp.abs(d)), "mouth_l1": mouth_l1, "z_rms": jnp.sqrt(reg)}
+    if s.mouth_aux > 0:
+        b, k = z.shape[:2]
+        zn = z / rms  # the read-out sees the latents at unit scale
+        pred = zn.reshape(b, k, -1) @ params["mouth_head"]["w"] + params["mouth_head"]["b"]
+        target = poses[..., :2].reshape(b, k, -1)  # (jaw, width) of the chunk's frames
+        aux = jnp.mean((pred - target) ** 2)
+        loss = loss + s.mouth_aux * aux
+        metrics.update(loss=loss, mouth_aux=aux)
+    return loss, metrics
 
 
 def make_step(vae: Vae, s: VaeSettings, tx):
@@ -109,7 +129,8 @@ def make_step(vae: Vae, s: VaeSettings, tx):
         identities, params = pool.sample(k_faces, s.batch, frames, s.still_fraction)
         video = render_video(identities, params, height=h, width=w)
         mask = jax.vmap(lambda i, p: mouth_mask(i, p, h, w))(identities, params)
-        (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, p, video, mask, key), has_aux=True)(state.params)
+        (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, p, video, mask, key, params),
+                                                 has_aux=True)(state.params)
         state, gnorm = apply_gradients(state, grads, lr, tx, s.optim.ema_decay)
         return state, {**metrics, "grad_norm": gnorm}
 
@@ -117,10 +138,12 @@ def make_step(vae: Vae, s: VaeSettings, tx):
 
 
 def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, log, seed: int = 0):
-    """Trains (or resumes) the VAE for up to budget_s seconds. Returns (Vae, ema params, record)."""
+    """Trains (or resumes) the VAE for up to budget_s seconds. Returns (Vae, ema params
+    {"decoder", "encoder"}, record)."""
     vae = Vae(cfg, seed)
     tx = make_optimizer(s.optim)
-    state = init_state(vae.initial, tx)
+    initial = {**vae.initial, "mouth_head": mouth_head(cfg)} if s.mouth_aux > 0 else vae.initial
+    state = init_state(initial, tx)
     record = {"stage": "vae"}
     resumed = store.restore_latest(state)
     if resumed is not None:
@@ -133,4 +156,4 @@ def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, l
         state, record = run_stage("vae", state, make_step(vae, s, tx), lambda i: (pool, jax.random.fold_in(key, i)),
                                   store=store, record=record, budget_s=budget_s, loop=s.loop, optim=s.optim,
                                   examples_per_step=s.batch, log=log)
-    return vae, state.ema, record
+    return vae, {k: state.ema[k] for k in ("decoder", "encoder")}, record
