@@ -282,6 +282,9 @@ def timestep_features(sigma: float, dim: int = TIME_FREQ_DIM):
     return torch.cat([torch.cos(t * freqs), torch.sin(t * freqs)])
 
 
+CUBLASLT_FP8_ALIGN = 16  # cuBLASLt's FP8 GEMMs: every dimension a multiple of 16
+
+
 def quantize_fp8(x, per_row: bool):
     """Dynamic e4m3 quantization: x [M, K] -> (x8 [M, K] float8_e4m3fn, scale float32 [M, 1]
     per row or [] per tensor), scale = max(amax, 1e-12) / 448, saturating."""
@@ -297,11 +300,19 @@ def fp8_linear(x8, x_scale, w8, w_scale, out_dtype, emulate: bool, fast_accum: b
     CUDA: one ``torch._scaled_mm`` (the weight consumed as stored: w8.t() is column-major);
     fast_accum: Hopper's FP8 accumulation without the periodic promotion to float32 (what
     torchao's Float8Linear runs in the forward: the faster cuBLASLt/CUTLASS kernels).
-    emulate (CPU): the same product from the e4m3 values in float32, scaled afterwards."""
+    emulate (CPU): the same product from the e4m3 values in float32, scaled afterwards.
+    Per-tensor scales run on cuBLASLt, which takes FP8 operands only with every dimension a
+    multiple of 16: M (757 tokens a pass, 1,246 in a prefill) is padded with zero rows, and
+    the product's extra rows dropped (row-wise scales run on CUTLASS, which takes any M)."""
     if emulate:
         return ((x8.float() @ w8.float().t()) * x_scale * w_scale).to(out_dtype)
-    return torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+    m = x8.shape[0]
+    pad = (-m) % CUBLASLT_FP8_ALIGN if x_scale.numel() == 1 else 0
+    if pad:  # e4m3's zero byte is 0.0; torch pads float8 tensors only as bytes
+        x8 = torch.nn.functional.pad(x8.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+                         use_fast_accum=fast_accum)
+    return y[:m] if pad else y
 
 
 # ==========================================================================================
@@ -1175,51 +1186,13 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     out = {"modes": results, "init_s": init_s, "torch": torch.__version__, "free_gib_at_start": free_gib,
            "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     for mode in modes:
-        engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row",
-                           compile=False if args.no_compile else None,
-                           graphs=not args.no_graphs, mask=args.mask, attention=args.attention,
-                           fast_accum=not args.no_fast_accum, group=group)
-        engine.start_session(inputs.image, inputs.prompt, seed=args.seed)
-        t0 = time.perf_counter()
-        engine.step(audio)
-        if cuda:
-            torch.cuda.synchronize(device)
-        first_s = time.perf_counter() - t0
-        log(f"[torch {mode}] first step (compile + capture) in {first_s:.1f} s")
-        masked_ms, times, host_ms, reset_ms = [], [], [], []
-        for s in range(1, total):
-            masked = engine.masked_now()
-            dt, host = time_step(engine, audio)
-            if s <= args.warmup:
-                if masked:
-                    masked_ms.append(dt)
-            elif s in resets:
-                reset_ms.append(dt)
-            else:
-                times.append(dt)
-                host_ms.append(host)
-        finite = bool(torch.isfinite(engine.latent).all().item())
-        res = {"step_ms": percentiles(times), "host_step_ms": percentiles(host_ms), "reset_step_ms": reset_ms,
-               "masked_warmup_step_ms": percentiles(masked_ms[1:]) if len(masked_ms) > 1 else {},
-               "timed_steps_masked": engine.masked_now(), "first_step_s": first_s,
-               "latent_finite": finite, "attention_backend": {("masked" if k else "unmasked"): v for k, v in engine.backend.items()},
-               "attention_timings_ms": {("masked" if k else "unmasked"): v for k, v in engine.backend_timings.items()},
-               "graphs": engine.graphs, "compiled": engine.compiled,
-               "fast_accum": engine.fast_accum and engine.fp8 and cuda,
-               "notes": engine.notes,
-               "timing": "CUDA events around each step (graph replay), waited on per step" if cuda else "host time"}
-        if args.profile_steps > 0:
-            try:
-                res["breakdown"] = engine.profile(args.profile_steps)
-            except Exception as err:  # the profile is extra: keep the timing
-                res["breakdown"] = {"error": f"{type(err).__name__}: {err}"}
-        if cuda:
-            res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        results[mode] = res
-        p = res["step_ms"]
-        if p:
-            log(f"[torch {mode}] step p50 {p['p50']:.2f} ms, p90 {p['p90']:.2f} ms")
-        del engine
+        try:
+            results[mode] = _time_mode(mode, spec, weights, device, cuda, args, inputs, audio, total, resets, group, log)
+        except Exception as err:  # one mode failing keeps the others' figures
+            import traceback
+
+            log(traceback.format_exc())
+            results[mode] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -1227,6 +1200,55 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
             on_mode(out)
     del weights
     return out
+
+
+def _time_mode(mode, spec, weights, device, cuda, args, inputs, audio, total, resets, group, log) -> dict:
+    """One activation-scale mode of the torch step: session, warm-up, timed steps, profile."""
+    engine = TorchStep(spec, weights, device, act_scale=mode if mode in SCALES else "row",
+                       compile=False if args.no_compile else None,
+                       graphs=not args.no_graphs, mask=args.mask, attention=args.attention,
+                       fast_accum=not args.no_fast_accum, group=group)
+    engine.start_session(inputs.image, inputs.prompt, seed=args.seed)
+    t0 = time.perf_counter()
+    engine.step(audio)
+    if cuda:
+        torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - t0
+    log(f"[torch {mode}] first step (compile + capture) in {first_s:.1f} s")
+    masked_ms, times, host_ms, reset_ms = [], [], [], []
+    for s in range(1, total):
+        masked = engine.masked_now()
+        dt, host = time_step(engine, audio)
+        if s <= args.warmup:
+            if masked:
+                masked_ms.append(dt)
+        elif s in resets:
+            reset_ms.append(dt)
+        else:
+            times.append(dt)
+            host_ms.append(host)
+    finite = bool(torch.isfinite(engine.latent).all().item())
+    res = {"step_ms": percentiles(times), "host_step_ms": percentiles(host_ms), "reset_step_ms": reset_ms,
+           "masked_warmup_step_ms": percentiles(masked_ms[1:]) if len(masked_ms) > 1 else {},
+           "timed_steps_masked": engine.masked_now(), "first_step_s": first_s,
+           "latent_finite": finite, "attention_backend": {("masked" if k else "unmasked"): v for k, v in engine.backend.items()},
+           "attention_timings_ms": {("masked" if k else "unmasked"): v for k, v in engine.backend_timings.items()},
+           "graphs": engine.graphs, "compiled": engine.compiled,
+           "fast_accum": engine.fast_accum and engine.fp8 and cuda,
+           "notes": engine.notes,
+           "timing": "CUDA events around each step (graph replay), waited on per step" if cuda else "host time"}
+    if args.profile_steps > 0:
+        try:
+            res["breakdown"] = engine.profile(args.profile_steps)
+        except Exception as err:  # the profile is extra: keep the timing
+            res["breakdown"] = {"error": f"{type(err).__name__}: {err}"}
+    if cuda:
+        res["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    p = res["step_ms"]
+    if p:
+        log(f"[torch {mode}] step p50 {p['p50']:.2f} ms, p90 {p['p90']:.2f} ms")
+    del engine
+    return res
 
 
 def _free_port() -> int:
@@ -1342,6 +1364,9 @@ def markdown_report(r: dict) -> str:
     if "error" in torch_r:
         lines.append(f"- PyTorch: {torch_r['error']}")
     for m, v in modes.items():
+        if "error" in v:
+            lines.append(f"- {_label(m)}: {v['error']}")
+            continue
         mask = ("with the slot mask" if v.get("timed_steps_masked")
                 else "without a mask (every slot valid: the best case for PyTorch; the JAX step masks)")
         lines.append(f"- {_label(m)}: {v.get('timing')}; timed steps {mask}; SDPA backend {v.get('attention_backend')} "
@@ -1451,7 +1476,10 @@ def main(argv=None) -> int:
         v.get("latent_finite", True) for v in result.get("torch", {}).get("modes", {}).values()]
     for side in failed:
         err(f"the {side} side failed: {result[side]['error']}")
-    return 0 if all(finite) and not failed else 1
+    mode_errors = {m: v["error"] for m, v in result.get("torch", {}).get("modes", {}).items() if "error" in v}
+    for m, e in mode_errors.items():
+        err(f"the torch side's {m} activation scales failed: {e}")
+    return 0 if all(finite) and not failed and not mode_errors else 1
 
 
 def finish(result: dict, tp: int) -> None:
