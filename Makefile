@@ -35,9 +35,10 @@ test: protos browser
 	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
 
 # The whole service on localhost (decoder process, generator worker, client): writes
-# out/demo.mp4 and out/demo_report.json. Inputs are the bundled, project-made assets.
+# out/demo.mp4 and out/demo_report.json: the trained talking demonstrator on its held-out
+# demo clip, with its lip-sync score.
 demo: protos
-	$(PY) -m characters_jax.cli demo --config small --out out
+	$(PY) -m characters_jax.cli demo --out out
 
 # Regenerates the bundled portrait and speech clip (deterministic; committed).
 demo-assets: $(STAMP)

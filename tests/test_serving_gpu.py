@@ -34,7 +34,7 @@ def write_report():
             json.dump(REPORTS, fh, indent=2)
 
 
-@pytest.mark.parametrize("config, seconds, ready_within_s", [("small", 4.0, 120), ("characters-57b", 4.0, 60)])
+@pytest.mark.parametrize("config, seconds, ready_within_s", [("small", 4.0, 120), ("talking", 4.0, 120), ("characters-57b", 4.0, 60)])
 def test_a_session_on_the_gpu(tmp_path, config, seconds, ready_within_s):
     cfg = load_config(config)
     gpus = placement.visible_gpus()

@@ -206,9 +206,12 @@ def check_tree(what: str, have: dict, want: dict) -> None:
         raise WeightsError(f"{what}: " + "; ".join(problems[:6]) + more)
 
 
-def abstract_tree(tree):
-    """A tree of ShapeDtypeStructs with the same shapes and dtypes."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+def abstract_tree(tree, device=None):
+    """A tree of ShapeDtypeStructs with the same shapes and dtypes, placed on one device
+    (default: the first): a restore target that names its placement, so weights saved on
+    another machine (another device count or platform) restore here."""
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def dit_target(cfg) -> dict:
@@ -218,6 +221,32 @@ def dit_target(cfg) -> dict:
     from characters_jax.model.dit import DiT
 
     return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))))
+
+
+CHECKPOINT_DIR = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+def bundled_weights(name: str) -> pathlib.Path | None:
+    """checkpoints/NAME when it holds a weights directory (the repository ships the talking
+    demonstrator's), else None."""
+    path = CHECKPOINT_DIR / name
+    return path if (path / MANIFEST).is_file() else None
+
+
+def resolve_checkpoint(choice: str | None, cfg) -> str | None:
+    """The weights directory of a `--checkpoint` flag: 'auto' (or None) is the config's
+    bundled weights if the repository has them, else random weights (None); 'none' is random
+    weights; anything else a path, checked against cfg here (`open_weights`), so a wrong one
+    fails before anything compiles. Raises WeightsError / FileNotFoundError."""
+    if choice in (None, "", "auto"):
+        path = bundled_weights(cfg.name)
+    elif choice == "none":
+        return None
+    else:
+        path = pathlib.Path(choice)
+    if path is None:
+        return None
+    return str(open_weights(path, cfg).path)
 
 
 def dit_checkpoint(directory, cfg) -> str:

@@ -47,9 +47,11 @@ def register(subparsers) -> None:
                     "is SERVING while idle (balancers place sessions by it), '' until it drains. SIGTERM drains: "
                     "NOT_SERVING at once, new sessions UNAVAILABLE, the live session goes on up to --drain-timeout, "
                     "then it is CANCELLED and the worker stops.")
-    p.add_argument("--config", default="small", help="config name or .toml path")
+    p.add_argument("--config", default="talking", help="config name or .toml path (default: the trained talking demonstrator)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (diffusion devices)")
-    p.add_argument("--checkpoint", default=None, help="weights directory (random weights if absent)")
+    p.add_argument("--checkpoint", default="auto",
+                   help="weights directory; 'auto': the config's bundled weights (checkpoints/NAME) if the repository has them, "
+                        "else random weights; 'none': random weights")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--compile-cache", default="auto",
                    help="XLA's persistent compilation cache, so a restart does not compile again: a directory, 'off', "
@@ -91,6 +93,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", default="small")
     p.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:PATH")
     p.add_argument("--seed", type=int, default=0, help="seed of the random VAE weights")
+    p.add_argument("--checkpoint", default="auto", help="weights directory of the VAE (as serve's --checkpoint)")
     p.add_argument("--state-file", default=None)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_decode_serve)
@@ -118,10 +121,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=_talk)
 
     p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")
-    p.add_argument("--config", default="small")
+    p.add_argument("--config", default="talking", help="config (default: the trained talking demonstrator)")
+    p.add_argument("--checkpoint", default="auto", help="weights directory (as serve's --checkpoint)")
     p.add_argument("--out", default="out")
-    p.add_argument("--image", default=None)
-    p.add_argument("--audio", default=None)
+    p.add_argument("--image", default=None, help="reference image (default: the weights' held-out demo portrait, else a drawn one)")
+    p.add_argument("--audio", default=None, help="speech WAV, 16 kHz mono (default: the weights' held-out demo speech, else a "
+                                                 "synthesized clip)")
     p.add_argument("--prompt", default="a friendly character, talking")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     add_engine_arguments(p)
@@ -130,8 +135,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("view", help="the character live in a web page (WebRTC, loopback only)")
     p.add_argument("--server", default=None, help="a running worker, or workers behind gRPC balancing (host:port, h1:p1,h2:p2, "
                                                   "dns:///name:port); default: start one for --config")
-    p.add_argument("--config", default="small", help="config of the worker started when --server is not given")
-    p.add_argument("--checkpoint", default=None, help="weights of the started worker (random weights if absent)")
+    p.add_argument("--config", default="talking", help="config of the worker started when --server is not given")
+    p.add_argument("--checkpoint", default="auto", help="weights of the started worker (as serve's --checkpoint)")
     p.add_argument("--port", type=int, default=8080, help="the page's port on 127.0.0.1 (0: any free port)")
     p.add_argument("--image", default=None, help="default reference image (the page can upload another)")
     p.add_argument("--prompt", default="a friendly character, talking")

@@ -1,9 +1,12 @@
 """`characters-jax demo`: the whole stack on localhost in one command.
 
 Starts the generator worker (which starts and supervises its decoder process), waits until
-it is ready, runs the client with the bundled portrait and speech clip at real-time pace,
-writes out/demo.mp4 and out/demo_report.json, prints the summary, and shuts the worker
-down with SIGTERM.
+it is ready, runs the client at real-time pace, writes out/demo.mp4 and out/demo_report.json,
+prints the summary, and shuts the worker down with SIGTERM. With trained weights (the talking
+demonstrator's, bundled) the inputs are the weights' held-out demo clip (a portrait and speech
+of an identity and a voice never trained on) and the report scores the video's lip sync
+against the clip's ground-truth mouth track, and against another clip's track (the shuffled
+baseline); with random weights, a drawn portrait and a synthesized speech clip.
 """
 
 from __future__ import annotations
@@ -27,16 +30,27 @@ def demo_command(args) -> int:
     from characters_jax.serving.mp4 import probe_mp4
     from characters_jax.serving.talk import print_summary, run_talk
 
+    from characters_jax.decoder.weights import WeightsError, resolve_checkpoint
+
     cfg = with_engine_arguments(load_config(args.config), args)
+    try:
+        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
+    except (WeightsError, FileNotFoundError) as err:
+        print(f"characters-jax demo: --checkpoint: {err}", file=sys.stderr)
+        return 2
+    clip = demo_clip(checkpoint)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    image, audio = pathlib.Path(args.image or assets.PORTRAIT), pathlib.Path(args.audio or assets.SPEECH)
+    image = pathlib.Path(args.image or (clip and clip["portrait"]) or assets.PORTRAIT)
+    audio = pathlib.Path(args.audio or (clip and clip["speech"]) or assets.SPEECH)
+    tracks = clip["tracks"] if clip and not args.image and not args.audio else None
     mp4, report_path, log_path = out_dir / "demo.mp4", out_dir / "demo_report.json", out_dir / "worker.log"
     t0 = time.monotonic()
-    print(f"demo: config {cfg.name}, random weights (no checkpoint); worker log -> {log_path}", flush=True)
+    weights = checkpoint or "random weights"
+    print(f"demo: config {cfg.name}, {weights}; {image.name} + {audio.name}; worker log -> {log_path}", flush=True)
     with tempfile.TemporaryDirectory(prefix="characters-demo-") as tmp:
         state_file = pathlib.Path(tmp) / "worker.json"
-        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file), *engine_argv(args)]
+        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file), "--checkpoint", checkpoint or "none", *engine_argv(args)]
         with open(log_path, "w") as log:
             worker = subprocess.Popen(argv, env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -64,10 +78,49 @@ def demo_command(args) -> int:
     samples, fmt = read_wav(str(audio))
     expected = Timeline.from_config(cfg).steps_for(len(samples)) * cfg.video.frames_per_step
     probe = probe_mp4(mp4)
-    report = {"config": cfg.name, "weights": "random", "worker_ready_s": round(ready_s, 2), "total_s": round(time.monotonic() - t0, 2), "expected_frames": expected, "mp4": probe, "worker_exit_code": worker.returncode, **summary}
+    report = {"config": cfg.name, "weights": weights, "image": str(image), "audio": str(audio), "worker_ready_s": round(ready_s, 2), "total_s": round(time.monotonic() - t0, 2), "expected_frames": expected, "mp4": probe, "worker_exit_code": worker.returncode, **summary}
+    if tracks is not None and probe["video_frames"] == expected:
+        report["lip_sync"] = lip_sync(mp4, tracks)
     report_path.write_text(json.dumps(report, indent=2))
     print(f"demo: wrote {mp4} ({probe['video_frames']} frames {probe['width']}x{probe['height']}, {probe['audio_seconds']:.2f} s audio) and {report_path}")
     print_summary(summary)
+    if "lip_sync" in report:
+        ls = report["lip_sync"]
+        print(f"demo: lip sync (mouth probe vs the clip's ground-truth mouth track): confidence {ls['own']['confidence']:.3f} "
+              f"at lag {ls['own']['lag']:+d} frames; against another clip's track (shuffled audio) {ls['shuffled']['confidence']:.3f}")
     ok = probe["video_frames"] == expected and probe["audio_streams"] == 1 and worker.returncode == 0 and summary.get("session_state") == "COMPLETED"
     print("demo: OK" if ok else "demo: FAILED (see the report)")
     return 0 if ok else 1
+
+
+def demo_clip(checkpoint: str | None) -> dict | None:
+    """The held-out demo clip shipped with a weights directory (demo/*-portrait.png,
+    *-speech.wav, *-tracks.npz: `characters-jax train demo-assets`), or None."""
+    if not checkpoint:
+        return None
+    d = pathlib.Path(checkpoint) / "demo"
+    found = {k: sorted(d.glob(f"*-{k}.{ext}")) for k, ext in (("portrait", "png"), ("speech", "wav"), ("tracks", "npz"))}
+    if not all(found.values()):
+        return None
+    return {k: v[0] for k, v in found.items()}
+
+
+def lip_sync(mp4: pathlib.Path, tracks_path: pathlib.Path) -> dict:
+    """Lip sync of the MP4's frames against the clip's own ground-truth mouth track and
+    against another clip's ("own", "shuffled" in the tracks file: [T, 2] jaw, width)."""
+    import av
+    import numpy as np
+
+    from characters_jax.lipsync.score import score
+
+    with av.open(str(mp4)) as c:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(c.streams.video[0])])
+    with np.load(tracks_path) as z:
+        tracks = {k: z[k] for k in ("own", "shuffled")}
+    n = min(len(frames), *(len(v) for v in tracks.values()))
+    out = {}
+    for k, track in tracks.items():
+        s = score(frames[:n], track[:n])
+        out[k] = {"peak": round(s.peak, 4), "lag": s.lag, "confidence": round(s.confidence, 4)}
+    out["frames"] = n
+    return out

@@ -65,9 +65,16 @@ def run_decoder(args) -> int:
     from characters_jax.decoder.service import start_decoder_server
 
     stop = _wait_for_stop()
+    from characters_jax.decoder.weights import WeightsError, resolve_checkpoint
+
     cfg = load_config(args.config)
     t0 = time.perf_counter()
-    rt = VaeRuntime(cfg, seed=args.seed)
+    try:
+        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
+        rt = VaeRuntime(cfg, seed=args.seed, checkpoint=checkpoint)
+    except (WeightsError, FileNotFoundError) as err:
+        print(f"characters-jax decode-serve: --checkpoint: {err}", file=sys.stderr)
+        return 2
     rt.warmup()
     server, port = start_decoder_server(rt, args.listen)
     if port == 0:
@@ -184,6 +191,14 @@ def run_worker(args) -> int:
     except ValueError as err:
         print(f"characters-jax serve: {err}", file=sys.stderr)
         return 2
+    from characters_jax.decoder.weights import WeightsError, dit_checkpoint, resolve_checkpoint
+
+    try:  # the weights are checked against the config before anything is placed or compiled
+        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
+        dit_path = dit_checkpoint(checkpoint, cfg) if checkpoint else None
+    except (WeightsError, FileNotFoundError) as err:
+        print(f"characters-jax serve: --checkpoint: {err}", file=sys.stderr)
+        return 2
     # Placement first: a plan that cannot fit is refused before anything is initialised.
     placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
@@ -205,7 +220,7 @@ def run_worker(args) -> int:
         decoder_address = f"unix:{tmpdir.name}/decoder.sock"
         decoder_state = pathlib.Path(tmpdir.name) / "decoder.json"
         argv = [sys.executable, "-m", "characters_jax.cli", "decode-serve", "--config", args.config, "--listen", decoder_address,
-                "--seed", str(args.seed), "--state-file", str(decoder_state)]
+                "--seed", str(args.seed), "--state-file", str(decoder_state), "--checkpoint", checkpoint or "none"]
 
         def on_start(pid, restarts):
             state.update(decoder_pid=pid, decoder_restarts=restarts)
@@ -219,7 +234,8 @@ def run_worker(args) -> int:
 
     from characters_jax.engine.generator import DiTGenerator
 
-    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed)
+    state["checkpoint"] = checkpoint or "random weights"
+    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=args.seed)
     frontend = AudioFrontEnd(cfg)
     state["warmup"] = _warmup(generator, frontend, cfg, metrics)
     log.info("generator compiled", extra={"fields": state["warmup"]})
@@ -236,6 +252,10 @@ def run_worker(args) -> int:
     while not decoder.wait_ready(1.0):
         if stop.is_set():
             return 0
+        if supervisor is not None and supervisor.refused:
+            print("characters-jax serve: the decoder process refused to start (its error is in this log above)",
+                  file=sys.stderr)
+            return 1
     if decoder_state is not None and decoder_state.exists():
         decoder_memory = json.loads(decoder_state.read_text()).get("memory", {})
         state["decoder_memory"] = decoder_memory
@@ -245,7 +265,7 @@ def run_worker(args) -> int:
     warm = state["warmup"]
     state["startup_s"] = round(time.perf_counter() - t_start, 2)
     _write_json(args.state_file, state)
-    log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": state["startup_s"], "step_ms": warm["step_ms"], "checkpoint": args.checkpoint or "random weights"}})
+    log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": state["startup_s"], "step_ms": warm["step_ms"], "checkpoint": state["checkpoint"]}})
     if not warm["real_time"]:
         log.warning("not real time on this hardware", extra={"fields": {
             "step_ms": warm["step_ms"], "budget_ms": round(cfg.video.step_seconds * 1e3, 1), "fps_capacity": warm["fps_capacity"],

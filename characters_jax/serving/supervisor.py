@@ -24,10 +24,16 @@ def _die_with_parent() -> None:
         pass
 
 
+REFUSED = 2  # the exit status of a command that refuses its arguments (argparse's, ours)
+
+
 class Supervisor:
     def __init__(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None, on_start: Callable[[int, int], None] | None = None, restart_delay_s: float = 0.5, max_delay_s: float = 10.0):
-        """on_start(pid, restarts) is called each time the child starts."""
+        """on_start(pid, restarts) is called each time the child starts. A child that exits
+        with REFUSED (2: its command refused its arguments, config or weights) is not
+        restarted: another start would only fail the same way; `refused` is then True."""
         self.name, self.argv, self.env = name, list(argv), env
+        self.refused = False
         self.on_start = on_start
         self.restart_delay_s, self.max_delay_s = restart_delay_s, max_delay_s
         self.restarts = 0
@@ -53,6 +59,10 @@ class Supervisor:
                 self.on_start(self._proc.pid, self.restarts)
             rc = self._proc.wait()
             if self._stop.is_set():
+                break
+            if rc == REFUSED:
+                self.refused = True
+                log.error("child refused to start; not restarting", extra={"fields": {"child": self.name, "rc": rc}})
                 break
             log.warning("child exited; restarting", extra={"fields": {"child": self.name, "rc": rc, "delay_s": delay}})
             self.restarts += 1
