@@ -8,6 +8,12 @@ arithmetic on the same inputs, seeds and weights, and says per variant whether i
 divergence stays within the spread (mean and worst case). Exact equivalences stay unit
 tests (tests/test_engine.py). Modules: `runs` (variants, inputs, trajectories),
 `metrics` (distances, spread, verdict), `decode` (frames, PSNR), `harness`, `report`.
+
+`--metric lipsync` judges the same variants on the trained model by what it shows
+(`lipsync_gate`): mean lip-sync, identity and drift differences over held-out clips against
+the reference's run-to-run variation, with the latent distance of the same runs beside it
+(modules `clips`, `sessions`, `quality`, `lipsync_gate`, `gate_report`). `--metric latent`
+(the default) is the latent/frame-distance harness alone.
 """
 
 from __future__ import annotations
@@ -21,14 +27,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("numerics", help="numerics-changing variants vs the reference's run-to-run spread",
                        description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
+    p.add_argument("--metric", choices=("latent", "lipsync"), default="latent",
+                   help="latent: latent/frame distance vs the reference's spread (random weights); "
+                        "lipsync: lip sync, identity and drift of the trained model on held-out clips vs the "
+                        "reference's run-to-run variation, the latent verdict of the same runs beside it")
+    p.add_argument("--checkpoint", default=None, help="weights directory of the trained config (needed by --metric lipsync)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the base reference run and the variants")
     p.add_argument("--steps", type=int, default=12, help="steps per run (one latent frame each)")
-    p.add_argument("--variants", default="ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute",
-                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, qkv-kernel, fp8-gemm, stacked-gemm, stacked-gemm-row, quant-kernels, fused-reduce, ppermute, production (the config's cache and [engine], with the flags below)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated: ring-bf16, ring-fp8, fp8-attention, qkv-kernel, fp8-gemm, fp8-gemm-row, stacked-gemm, "
+                        "stacked-gemm-row, quant-kernels, fused-reduce, ppermute, production (the config's cache and [engine], "
+                        "with the flags below); lipsync also NAME@tpN (another tp size). Default latent: "
+                        "ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute; lipsync: every variant, "
+                        "ppermute@tp2 and production@tp2")
     from characters_jax.config import add_engine_arguments
 
     add_engine_arguments(p)
     p.add_argument("--runs", type=int, default=4, help="reference runs: the base run plus R-1 perturbed ones")
+    g = p.add_argument_group("lipsync metric")
+    g.add_argument("--clips", type=int, default=51, help="held-out clips per run")
+    g.add_argument("--seconds", type=float, default=4.0, help="length of each held-out clip")
+    g.add_argument("--drift-clips", type=int, default=2, help="longer held-out clips for the drift score (0: not measured)")
+    g.add_argument("--drift-seconds", type=float, default=16.0, help="length of each drift clip")
+    g.add_argument("--drift-window", type=float, default=4.0, help="drift: the last this many seconds against the first")
+    g.add_argument("--variation", choices=("max", "rms"), default="max",
+                   help="run-to-run variation V of a score: max (largest |mean difference| of a perturbed reference "
+                        "run from the base run) or rms (their root mean square); a variant passes within --factor x V")
+    g.add_argument("--perturb", default=None,
+                   help="perturbation kinds of the reference runs, cycled: ulp, tp, repeat, seed (default ulp,tp and, "
+                        "on GPUs, repeat)")
+    g.add_argument("--plans", default="out/numerics-plans", help="directory where held-out clip plans are kept")
+    g.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png (the lip-sync table)")
     p.add_argument("--blocks", type=int, default=None, help="override model.num_blocks (reduced depth, full width)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="override the activation dtype")
     p.add_argument("--ref-cache-dtype", choices=("bf16", "float32"), default="bf16", help="the reference's launch cache dtype")
@@ -50,6 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args) -> int:
+    if args.metric == "lipsync":
+        from characters_jax.numerics.gate_cli import main
+
+        return main(args)
     if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # On CPU the mesh needs virtual devices (read when the backend starts, which no
         # command import does); the flag does nothing on other backends.
@@ -60,7 +93,8 @@ def _main(args) -> int:
     from characters_jax.numerics.harness import Settings, run
     from characters_jax.numerics.runs import VARIANTS
 
-    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    names = args.variants or "ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute"
+    variants = tuple(v.strip() for v in names.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         print(f"characters-jax numerics: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)

@@ -56,6 +56,7 @@ VARIANTS: dict[str, Variant] = {
         Variant("fp8-attention", cache_mode="ring", cache_dtype="fp8", attention="pallas", description="ring FP8 cache + the Pallas FP8 attention kernel (P's e4m3 codes from float bits, the lazy rescale)"),
         Variant("qkv-kernel", cache_mode="ring", cache_dtype="fp8", attention="pallas", kernels="qkv", description="as fp8-attention, QK-norm, RoPE, Q's e4m3 parts and the K/V cache write by one kernel"),
         Variant("fp8-gemm", fp8_weights=True, description="block GEMMs in FP8 (the same weights, quantized)"),
+        Variant("fp8-gemm-row", fp8_weights=True, activation_scale="row", description="block GEMMs in FP8, activations quantized with one scale per row (token)"),
         Variant("stacked-gemm", fp8_weights=True, kernels="gemm", description="FP8 GEMMs reading the layer stack in place (the stacked Pallas GEMM on Hopper, its reference elsewhere)"),
         Variant("stacked-gemm-row", fp8_weights=True, kernels="gemm", activation_scale="row", description="as stacked-gemm, activations quantized with one scale per row (token)"),
         Variant("quant-kernels", fp8_weights=True, kernels="gemm+quant", activation_scale="row", description="as stacked-gemm-row, each GEMM input's norm / GELU and per-row quantization by one kernel"),
@@ -75,11 +76,15 @@ class Resolved:
     note: str = ""
 
 
-def resolve(variant: Variant, tp: int) -> Resolved:
-    """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU."""
+def resolve(variant: Variant, tp: int, substitute: bool = True) -> Resolved:
+    """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU. substitute:
+    without one, the FP8 attention variants run the reference attention (noted); False:
+    they are not run (their own arithmetic cannot run here)."""
     from pallas_kernels import device, fp8_attention, fp8_gemm_allreduce
 
     if variant.attention in fp8_attention.PALLAS_IMPLS and not device.is_hopper():
+        if not substitute:
+            return Resolved(variant.name, None, f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here)")
         return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
                         f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
     if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():
@@ -283,7 +288,8 @@ def run_session(engine, params, inputs: Inputs, sync_each_step: bool = False) ->
 
 @dataclasses.dataclass(frozen=True)
 class RefRun:
-    """One reference run: `kind` base | tp | ulp | repeat; tp; ulp_seed (0: unperturbed)."""
+    """One reference run: `kind` base | tp | ulp | repeat | seed; tp; ulp_seed (0:
+    unperturbed; for kind 'seed': which shift of the noise seeds)."""
 
     label: str
     kind: str
@@ -291,13 +297,26 @@ class RefRun:
     ulp_seed: int = 0
 
 
-def reference_plan(runs: int, tp: int, num_heads: int, devices: int, repeat: bool) -> list[RefRun]:
-    """The base run, then perturbed runs cycling over: one-ulp input nudges, other tp sizes
-    (each a different reduction order), and (GPU) an identical repeat."""
+PERTURBATIONS = ("ulp", "tp", "repeat", "seed")
+
+
+def reference_plan(runs: int, tp: int, num_heads: int, devices: int, repeat: bool,
+                   kinds: tuple[str, ...] | None = None) -> list[RefRun]:
+    """The base run, then perturbed runs cycling over `kinds` (default: one-ulp input
+    nudges, other tp sizes (each a different reduction order), and (GPU, `repeat`) an
+    identical repeat; 'seed': every noise seed moved, the sampler's own variation, a kind
+    only callers that score sampled outputs ask for). Kinds that cannot run (no other tp
+    size fits the devices) are passed over."""
     alt_tps = [t for t in (1, 2, 4, 8, 3, 6) if t != tp and t <= devices and num_heads % t == 0]
     plan = [RefRun(f"ref tp={tp}", "base", tp)]
-    ulp, i = 0, 0
-    kinds = ["ulp", "tp", "repeat", "ulp", "tp"] if repeat else ["ulp", "tp"]
+    ulp, seeds, i = 0, 0, 0
+    if kinds is None:
+        kinds = ["ulp", "tp", "repeat", "ulp", "tp"] if repeat else ["ulp", "tp"]
+    else:
+        unknown = set(kinds) - set(PERTURBATIONS)
+        if unknown or not kinds:
+            raise ValueError(f"unknown perturbation(s) {sorted(unknown)}; known: {', '.join(PERTURBATIONS)}")
+        repeat = "repeat" in kinds
     while len(plan) < runs:
         kind = kinds[i % len(kinds)]
         i += 1
@@ -310,6 +329,9 @@ def reference_plan(runs: int, tp: int, num_heads: int, devices: int, repeat: boo
             if repeat:
                 plan.append(RefRun(f"ref repeat tp={tp}", "repeat", tp))
                 repeat = False
+        elif kind == "seed":
+            seeds += 1
+            plan.append(RefRun(f"ref seed#{seeds} tp={tp}", "seed", tp, seeds))
         else:
             ulp += 1
             plan.append(RefRun(f"ref ulp#{ulp} tp={tp}", "ulp", tp, ulp))
