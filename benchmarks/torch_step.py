@@ -310,6 +310,8 @@ def fp8_linear(x8, x_scale, w8, w_scale, out_dtype, emulate: bool, fast_accum: b
     pad = (-m) % CUBLASLT_FP8_ALIGN if x_scale.numel() == 1 else 0
     if pad:  # e4m3's zero byte is 0.0; torch pads float8 tensors only as bytes
         x8 = torch.nn.functional.pad(x8.view(torch.uint8), (0, 0, 0, pad)).view(torch.float8_e4m3fn)
+    elif x_scale.numel() == 1 and (x8.data_ptr() % 16 or not x8.is_contiguous()):
+        x8 = x8.contiguous().clone()  # cuBLASLt's FP8 operands: 16-byte aligned, row-major
     y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
                          use_fast_accum=fast_accum)
     return y[:m] if pad else y
