@@ -63,8 +63,9 @@ def table(result: GateResult) -> str:
         lat = "-" if r.latent is None else _f(r.latent.latent_mean, ".2e")
         lat_ok = "(ref)" if ref else ("-" if r.latent is None else ("within" if r.latent.ok else "outside"))
         d, ok = r.diffs, r.ok
-        lines.append(f"| {r.name} | {_f(d['lipsync'])}{_mark(None if ref else ok['lipsync'])} | | "
-                     f"{_f(d['identity'])}{_mark(None if ref else ok['identity'])} | | "
+        tol = {s: "" if ref or r.status != "ran" else "+-" + _f(v[s].tolerance, ".4f") for s in ("lipsync", "identity")}
+        lines.append(f"| {r.name} | {_f(d['lipsync'])}{_mark(None if ref else ok['lipsync'])} | {tol['lipsync']} | "
+                     f"{_f(d['identity'])}{_mark(None if ref else ok['identity'])} | {tol['identity']} | "
                      f"{_f(d['drift_lipsync'])}{_mark(None if ref else ok['drift_lipsync'])} / "
                      f"{_f(d['drift_identity'])}{_mark(None if ref else ok['drift_identity'])} | {lat} | {lat_ok} | "
                      f"{'(ref)' if ref else r.verdict} | {r.note} |")
