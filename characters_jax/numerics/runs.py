@@ -261,6 +261,8 @@ def fp8_params(engine, ref_params):
 def place_params(engine, params, ref_engine):
     """`params` (the reference's) for `engine`: resharded, or quantized for FP8 GEMMs."""
     if engine.cfg.model.weight_dtype == "fp8" and ref_engine.cfg.model.weight_dtype != "fp8":
+        if engine.mesh.devices.size != ref_engine.mesh.devices.size:  # another tp size: onto this mesh first
+            params = jax.device_put(params, engine.replicated)
         return fp8_params(engine, params)
     return jax.device_put(params, engine.param_shardings)
 
