@@ -82,6 +82,9 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from characters_jax.measure.bench import reset_steps  # noqa: E402
+from characters_jax.model.rope import rope_frequencies  # noqa: E402
+
 try:
     import torch
     import torch.nn.functional as F
@@ -192,17 +195,6 @@ class StepSpec:
         raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={self.max_prompt_tokens}")
 
 
-def reset_steps(num_steps: int, ring_frames: int, reset_period: int) -> set[int]:
-    """The step indices of a session that pay a position reset (the engine's schedule)."""
-    out, t = set(), 1
-    for s in range(num_steps):
-        if t >= ring_frames + reset_period:
-            out.add(s)
-            t -= reset_period
-        t += 1
-    return out
-
-
 # ==========================================================================================
 # The model's arithmetic (as characters_jax.model: float32 inside, rounded to the activation dtype)
 # ==========================================================================================
@@ -232,21 +224,6 @@ def rotate(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-
-
-def rope_frequencies(head_dim: int, rope_split, theta: float) -> np.ndarray:
-    """float32 [3, D/2]: the frequency of each rotary pair on its axis (time, height, width),
-    zero on the other axes (``characters_jax.model.rope.rope_frequencies``)."""
-    half = head_dim // 2
-    if sum(rope_split) != half:
-        raise ValueError(f"rope_split {rope_split} must sum to head_dim // 2 = {half}")
-    freqs = np.zeros((3, half), np.float32)
-    start = 0
-    for axis, n in enumerate(rope_split):
-        if n:
-            freqs[axis, start:start + n] = theta ** (-np.arange(n, dtype=np.float64) / n)
-        start += n
-    return freqs
 
 
 def rope_angles(positions, freqs):

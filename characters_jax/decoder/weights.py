@@ -233,20 +233,34 @@ def bundled_weights(name: str) -> pathlib.Path | None:
     return path if (path / MANIFEST).is_file() else None
 
 
-def resolve_checkpoint(choice: str | None, cfg) -> str | None:
-    """The weights directory of a `--checkpoint` flag: 'auto' (or None) is the config's
-    bundled weights if the repository has them, else random weights (None); 'none' is random
-    weights; anything else a path, checked against cfg here (`open_weights`), so a wrong one
-    fails before anything compiles. Raises WeightsError / FileNotFoundError."""
+def checkpoint_path(choice: str | None, config_name: str) -> pathlib.Path | None:
+    """The weights directory a `--checkpoint` flag names, unchecked (no JAX): 'auto' (or
+    None) is the config's bundled weights if the repository has them, else random weights
+    (None); 'none' is random weights; anything else a path."""
     if choice in (None, "", "auto"):
-        path = bundled_weights(cfg.name)
-    elif choice == "none":
+        return bundled_weights(config_name)
+    if choice == "none":
         return None
-    else:
-        path = pathlib.Path(choice)
-    if path is None:
+    return pathlib.Path(choice)
+
+
+def resolve_checkpoint(choice: str | None, cfg) -> str | None:
+    """`checkpoint_path`, checked against cfg (`open_weights`), so a wrong one fails before
+    anything compiles. Raises WeightsError / FileNotFoundError."""
+    path = checkpoint_path(choice, cfg.name)
+    return None if path is None else str(open_weights(path, cfg).path)
+
+
+def demo_clip(checkpoint) -> dict | None:
+    """The held-out demo clip shipped with a weights directory (demo/*-portrait.png,
+    *-speech.wav, *-tracks.npz: `characters-jax train demo-assets`), or None."""
+    if not checkpoint:
         return None
-    return str(open_weights(path, cfg).path)
+    d = pathlib.Path(checkpoint) / "demo"
+    found = {k: sorted(d.glob(f"*-{k}.{ext}")) for k, ext in (("portrait", "png"), ("speech", "wav"), ("tracks", "npz"))}
+    if not all(found.values()):
+        return None
+    return {k: v[0] for k, v in found.items()}
 
 
 def dit_checkpoint(directory, cfg) -> str:

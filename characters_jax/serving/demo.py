@@ -30,14 +30,16 @@ def demo_command(args) -> int:
     from characters_jax.serving.mp4 import probe_mp4
     from characters_jax.serving.talk import print_summary, run_talk
 
-    from characters_jax.decoder.weights import WeightsError, resolve_checkpoint
+    from characters_jax.decoder.weights import checkpoint_path, demo_clip
 
     cfg = with_engine_arguments(load_config(args.config), args)
-    try:
-        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
-    except (WeightsError, FileNotFoundError) as err:
-        print(f"characters-jax demo: --checkpoint: {err}", file=sys.stderr)
+    # the worker checks the weights against the config (a wrong one: it exits 2, its log says
+    # why); this process starts no JAX backend while the worker holds the device
+    checkpoint = checkpoint_path(args.checkpoint, cfg.name)
+    if checkpoint is not None and not checkpoint.exists():
+        print(f"characters-jax demo: --checkpoint: weights directory {checkpoint} does not exist", file=sys.stderr)
         return 2
+    checkpoint = str(checkpoint.resolve()) if checkpoint else None
     clip = demo_clip(checkpoint)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,9 @@ def demo_command(args) -> int:
                 print("demo: starting the worker and its decoder process (compiling)...", flush=True)
                 while not state_file.exists():
                     if worker.poll() is not None:
-                        print(f"demo: the worker exited with code {worker.returncode}; see {log_path}", file=sys.stderr)
+                        lines = [s for s in log_path.read_text(errors="replace").splitlines() if s.strip()]
+                        print(f"demo: the worker exited with code {worker.returncode}: {lines[-1] if lines else ''}; "
+                              f"see {log_path}", file=sys.stderr)
                         return 1
                     if time.monotonic() - t0 > args.startup_timeout:
                         print(f"demo: the worker was not ready after {args.startup_timeout} s; see {log_path}", file=sys.stderr)
@@ -91,18 +95,6 @@ def demo_command(args) -> int:
     ok = probe["video_frames"] == expected and probe["audio_streams"] == 1 and worker.returncode == 0 and summary.get("session_state") == "COMPLETED"
     print("demo: OK" if ok else "demo: FAILED (see the report)")
     return 0 if ok else 1
-
-
-def demo_clip(checkpoint: str | None) -> dict | None:
-    """The held-out demo clip shipped with a weights directory (demo/*-portrait.png,
-    *-speech.wav, *-tracks.npz: `characters-jax train demo-assets`), or None."""
-    if not checkpoint:
-        return None
-    d = pathlib.Path(checkpoint) / "demo"
-    found = {k: sorted(d.glob(f"*-{k}.{ext}")) for k, ext in (("portrait", "png"), ("speech", "wav"), ("tracks", "npz"))}
-    if not all(found.values()):
-        return None
-    return {k: v[0] for k, v in found.items()}
 
 
 def lip_sync(mp4: pathlib.Path, tracks_path: pathlib.Path) -> dict:

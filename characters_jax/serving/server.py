@@ -191,19 +191,19 @@ def run_worker(args) -> int:
     except ValueError as err:
         print(f"characters-jax serve: {err}", file=sys.stderr)
         return 2
-    from characters_jax.decoder.weights import WeightsError, dit_checkpoint, resolve_checkpoint
-
-    try:  # the weights are checked against the config before anything is placed or compiled
-        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
-        dit_path = dit_checkpoint(checkpoint, cfg) if checkpoint else None
-    except (WeightsError, FileNotFoundError) as err:
-        print(f"characters-jax serve: --checkpoint: {err}", file=sys.stderr)
-        return 2
     # Placement first: a plan that cannot fit is refused before anything is initialised.
     placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
                      generator_memory_fraction=args.memory_fraction)
     apply_to_this_process(placement.generator_env())
+    from characters_jax.decoder.weights import WeightsError, dit_checkpoint, resolve_checkpoint
+
+    try:  # the weights checked against the config (after the placement: this starts JAX), before any compile
+        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
+        dit_path = dit_checkpoint(checkpoint, cfg) if checkpoint else None
+    except (WeightsError, FileNotFoundError) as err:
+        print(f"characters-jax serve: --checkpoint: {err}", file=sys.stderr)
+        return 2
     log.info("placement", extra={"fields": {"placement": placement.summary}})
     metrics = WorkerMetrics()
     metrics.count_compiles()

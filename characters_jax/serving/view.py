@@ -193,10 +193,17 @@ def _write_state(path: str | None, data: dict) -> None:
 
 
 async def _run_view(args) -> int:
+    from characters_jax.decoder.weights import checkpoint_path, demo_clip
     from characters_jax.serving import assets
 
     try:
-        image = pathlib.Path(args.image or assets.PORTRAIT).read_bytes()
+        # a worker started here: its weights' held-out portrait is the default image (the
+        # worker checks the weights; this process starts no JAX backend)
+        checkpoint = None if args.server else checkpoint_path(args.checkpoint, args.config)
+        if checkpoint is not None and not checkpoint.exists():
+            raise FileNotFoundError(f"--checkpoint: weights directory {checkpoint} does not exist")
+        clip = demo_clip(checkpoint)
+        image = pathlib.Path(args.image or (clip and clip["portrait"]) or assets.PORTRAIT).read_bytes()
         load_reference_image(image, 64, 64)
         options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks)
     except (OSError, ImageError, ValueError) as err:
@@ -208,7 +215,7 @@ async def _run_view(args) -> int:
     else:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        local = worker = LocalWorker(args.config, args.checkpoint, out / "view_worker.log")
+        local = worker = LocalWorker(args.config, str(checkpoint or "none"), out / "view_worker.log")
     gateway = Gateway(worker, options, image, args.prompt)
     state: dict = {"pid": os.getpid()}
 
