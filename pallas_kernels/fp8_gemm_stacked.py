@@ -52,7 +52,7 @@ from jax import lax
 
 from pallas_kernels import device
 from pallas_kernels import fp8_gemm_stream_k as _sk
-from pallas_kernels.gemm_common import Config
+from pallas_kernels.gemm_common import Config, fitting_stages
 from pallas_kernels.gemm_common import fits as _tiles
 from pallas_kernels.numerics import FP8
 
@@ -75,11 +75,12 @@ def fits(n: int, k: int, config: Config | None = None) -> bool:
     return _tiles(k, n, config or pick_config(n, k))
 
 
-def pick_config(n: int, k: int) -> Config:
+def pick_config(n: int, k: int, out_dtype=jnp.bfloat16) -> Config:
     """The tiling for an [M, K] x [N, K] product: ``STREAM_K_CONFIG``, or ``NARROW_CONFIG``
     where N does not tile by 256 (the stream-K schedule balances any tile count, so M does
-    not matter)."""
-    return STREAM_K_CONFIG if _tiles(k, n, STREAM_K_CONFIG) else NARROW_CONFIG
+    not matter), with as many of its stages as fit the shared memory beside out_dtype's
+    output sub-tiles (a float32 output takes one stage's room)."""
+    return fitting_stages(STREAM_K_CONFIG if _tiles(k, n, STREAM_K_CONFIG) else NARROW_CONFIG, out_dtype)
 
 
 def _reference_product(x_fp8, w_stacked, layer, scale, row_scale=None):
@@ -211,7 +212,7 @@ def stacked_fp8_matmul(x_fp8, w_stacked, layer, scale, *, out_dtype=jnp.bfloat16
     interpreter)."""
     _check(x_fp8, w_stacked, layer, scale, addend, row_scale)
     _check_lead(x_fp8, w_stacked, row_scale, lead)
-    config = config or pick_config(*w_stacked.shape[1:])
+    config = config or pick_config(*w_stacked.shape[1:], out_dtype)
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     if impl == "auto":

@@ -65,12 +65,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.gemm_common import pad_row_scales, smem_transforms
+from pallas_kernels.gemm_common import COMPUTE_WGS, pad_row_scales, smem_transforms
 from pallas_kernels.mgpu_sync import fence_proxy_async_global
 
 FP8 = jnp.float8_e4m3fn
 KERNEL_NAME = "fp8_gemm_stream_k"
-COMPUTE_WGS = 2
 
 
 class Product(NamedTuple):

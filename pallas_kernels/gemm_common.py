@@ -31,6 +31,33 @@ class Config:
     grid_tile_width: int = 4
 
 
+# Shared memory a Hopper block may take (H100 / H200: 227 KiB, the Mosaic GPU limit).
+SMEM_LIMIT_BYTES = 232448
+COMPUTE_WGS = 2  # compute warpgroups per block, side by side along N
+
+
+def smem_bytes(config: Config, out_dtype, row_scales: bool = True, lead: bool = True) -> int:
+    """Shared memory of one block of the stream-K GEMM kernel: the operand stages
+    (x [tile_m, tile_k], w [2 tile_n, tile_k] e4m3 each), the output sub-tiles (2 per
+    compute warpgroup, [epi_m, epi_n] of out_dtype), the barriers (8 bytes each), and the
+    row scales of the block's M tile (float32; a second copy for a lead product). The
+    upper bound over the options is the default (row scales and a lead)."""
+    c = config
+    operands = c.stages * (c.tile_m + COMPUTE_WGS * c.tile_n) * c.tile_k
+    out = COMPUTE_WGS * 2 * c.epi_m * c.epi_n * jnp.dtype(out_dtype).itemsize
+    barriers = 8 * (2 * c.stages + COMPUTE_WGS)
+    rows = (4 * c.tile_m * (1 + lead) + 8) if row_scales else 0
+    return operands + out + barriers + rows
+
+
+def fitting_stages(config: Config, out_dtype, limit: int = SMEM_LIMIT_BYTES) -> Config:
+    """config with the most stages (at most its own) whose block fits the shared memory:
+    a 4-byte output's sub-tiles take the room of one operand stage."""
+    while config.stages > 2 and smem_bytes(config, out_dtype) > limit:
+        config = dataclasses.replace(config, stages=config.stages - 1)
+    return config
+
+
 def fits(k: int, n: int, config: Config = Config()) -> bool:
     """Whether a [*, K] x [N, K] product tiles with ``config`` (M is padded or bounded)."""
     return k % config.tile_k == 0 and n % (2 * config.tile_n) == 0

@@ -373,6 +373,28 @@ def test_pick_config_by_n():
     assert not st.fits(8000, 9216)
 
 
+def test_tiling_fits_shared_memory_for_any_output_dtype():
+    """The block's shared memory as the Mosaic GPU compiler counted it on an H200 for the
+    talking config's float32 GEMMs with the 4-stage tiles (262,224 bytes; 263,256 with row
+    scales and a lead product: both over the 232,448-byte limit), and the tiling picked for
+    a float32 output keeps every block under the limit; bf16 keeps the measured tiles."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import gemm_common as gc
+
+    assert gc.smem_bytes(st.STREAM_K_CONFIG, jnp.float32, row_scales=False, lead=False) == 262224
+    assert gc.smem_bytes(st.STREAM_K_CONFIG, jnp.float32) == 263256
+    for n, k in ((768, 256), (256, 256), (1024, 256), (256, 1024), (384, 256), (27648, 9216), (8064, 9216)):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            c = st.pick_config(n, k, dtype)
+            assert gc.smem_bytes(c, dtype) <= gc.SMEM_LIMIT_BYTES, (n, k, dtype, c)
+            assert c.stages >= 3, c
+    assert st.pick_config(768, 256, jnp.bfloat16) == st.STREAM_K_CONFIG
+    assert st.pick_config(8064, 9216, jnp.bfloat16) == st.NARROW_CONFIG
+    assert st.pick_config(768, 256, jnp.float32).stages == 3
+    assert st.pick_config(384, 256, jnp.float32).stages == 5
+
+
 @pytest.mark.parametrize("n,k,teams", [(13824, 9216, 22), (9216, 4608, 22), (16128, 9216, 22),
                                        (9216, 16128, 22), (8064, 9216, 22), (512, 768, 2),
                                        (9216, 4608, 36), (9216, 4608, 1)])
