@@ -28,7 +28,8 @@ SEED = 0
 def gate(tmp_path_factory):
     plans = tmp_path_factory.mktemp("plans")
     settings = G.GateSettings(config=load_config("talking"), checkpoint=CHECKPOINT, tp=2, runs=3, clips=3,
-                              seconds=2.0, drift_clips=0, seed=SEED, plans_dir=str(plans), verbose=False)
+                              seconds=2.0, drift_clips=0, seed=SEED, plans_dir=str(plans), verbose=False,
+                              perturb=("ulp", "tp"))  # the strictest band: 3 short clips, no seed runs
     setup = G.prepare(settings)
     return setup, G.run_reference(setup)
 

@@ -54,8 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="run-to-run variation V of a score: max (largest |mean difference| of a perturbed reference "
                         "run from the base run) or rms (their root mean square); a variant passes within --factor x V")
     g.add_argument("--perturb", default=None,
-                   help="perturbation kinds of the reference runs, cycled: ulp, tp, repeat, seed (default ulp,tp and, "
-                        "on GPUs, repeat)")
+                   help="perturbation kinds of the reference runs, cycled: ulp, tp, repeat, seed (default ulp,seed,tp,seed: "
+                        "a one-ulp nudge, other noise seeds, another tp size where the devices allow)")
     g.add_argument("--plans", default="out/numerics-plans", help="directory where held-out clip plans are kept")
     g.add_argument("--out", default=None, help="write OUT.md, OUT.json and OUT.png (the lip-sync table)")
     p.add_argument("--blocks", type=int, default=None, help="override model.num_blocks (reduced depth, full width)")

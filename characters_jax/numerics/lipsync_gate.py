@@ -288,13 +288,22 @@ def _run(setup: _Setup, label: str, engine, params, perturb=None, seed_shift: in
     return scores, drift
 
 
+# The reference's run-to-run variation by default: a one-ulp nudge, other noise seeds (what
+# two sessions of the same system differ by: each draws its own noise), another tp size
+# where the devices allow. On the trained model the ulp/tp runs alone move the mean score by
+# ~1e-4 (chaos of a few ulps, no signal), so every FP8 path would fail a band of their
+# spread; the seed runs give the variation a user sees between runs (0.0031 of 0.696 on 51
+# clips, one H200), and planted bugs (RoPE one frame late: -0.11; FP8 cache scale x4: -0.5)
+# stay far outside it.
+DEFAULT_PERTURBATIONS = ("ulp", "seed", "tp", "seed")
 SEED_SHIFT = 7919  # a 'seed' reference run k moves every clip's noise seed by k * SEED_SHIFT
 
 
 def run_reference(setup: _Setup) -> tuple[list, RunResult, list[RunResult]]:
     st = setup.settings
     repeat = jax.default_backend() == "gpu"
-    plan = R.reference_plan(st.runs, st.tp, setup.config.model.num_heads, len(jax.devices()), repeat, st.perturb)
+    plan = R.reference_plan(st.runs, st.tp, setup.config.model.num_heads, len(jax.devices()), repeat,
+                            st.perturb or DEFAULT_PERTURBATIONS)
     if len(plan) < 3:
         raise ValueError(f"the reference needs >= 3 runs; the perturbations {st.perturb} give {len(plan)} here")
     engines = {(st.tp, None): (setup.engine, setup.params)}
