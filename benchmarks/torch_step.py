@@ -1306,6 +1306,16 @@ def _breakdown_rows(columns: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def append_results(path: pathlib.Path, table: str, device: str) -> None:
+    """Appends the run's markdown table to a results file (benchmarks/RESULTS.md) under a
+    dated heading naming the machine."""
+    import datetime
+
+    day = datetime.date.today().isoformat()
+    with open(path, "a") as fh:
+        fh.write(f"\n## The step against PyTorch, {day}, {device}\n\n{table}")
+
+
 def markdown_report(r: dict) -> str:
     """The result as markdown: p50/p90 of each step, effective TFLOP/s, the ratio, the
     component breakdowns (PyTorch's; JAX's with --jax-profile) and the notes."""
@@ -1375,6 +1385,8 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=2, help="PyTorch profile breakdown over N runs of the step (0: none)")
     p.add_argument("--jax-profile", default=None, metavar="DIR", help="also trace 2 JAX steps into DIR for its breakdown")
     p.add_argument("--cpu", action="store_true", help="PyTorch on the CPU (smoke runs of small configs)")
+    p.add_argument("--results", default=None, metavar="FILE",
+                   help="also append the markdown table to FILE (e.g. benchmarks/RESULTS.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "out"), "torch_step"), help="directory for the JSON and markdown")
     return p.parse_args(argv)
@@ -1431,6 +1443,9 @@ def main(argv=None) -> int:
         if final:
             print(table)
             print(f"wrote {out / stem}.json and .md")
+            if args.results:
+                append_results(pathlib.Path(args.results), table, result.get("device", "?"))
+                print(f"appended the table to {args.results}")
 
     failed = []
     if args.side in ("both", "jax"):
