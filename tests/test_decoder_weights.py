@@ -117,3 +117,26 @@ def test_damaged_weights_are_clear_errors_at_start_up(weights_dir, tmp_path):
             f.write_bytes(f.read_bytes()[:7])
     with pytest.raises(WeightsError, match=r"vae: cannot be restored"):
         VaeRuntime(cfg, checkpoint=bad)
+
+
+def test_the_shipped_weights_decode_a_session_without_compiling():
+    """The bundled talking weights (restored onto this machine's device): after warm-up, a
+    session's decodes, from a new state and from each returned one, compile nothing."""
+    from jax import monitoring
+
+    from characters_jax.decoder.weights import bundled_weights
+
+    cfg = load_config("talking")
+    path = bundled_weights("talking")
+    assert path is not None, "checkpoints/talking is missing"
+    rt = VaeRuntime(cfg, checkpoint=path)
+    rt.warmup()
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, *_a, **_k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    state = rt.initial_state()
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        frames, state = rt.decode(state, rng.standard_normal(rt.latent_shape).astype(np.float32))
+        assert np.asarray(frames).shape == (cfg.video.frames_per_step, cfg.video.height, cfg.video.width, 3)
+    assert compiles == [], f"{len(compiles)} compilations during a session's decodes (seed 3)"

@@ -216,7 +216,7 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
     pcm, _ = click_track(48000, periods=8)
     write_wav(mic, pcm, 48000)
     state_file, view_log = tmp / "view.json", open(tmp / "view.log", "w")
-    view = subprocess.Popen([sys.executable, "-m", "characters_jax.cli", "view", "--config", "small", "--checkpoint", "none", "--port", "0", "--state-file", str(state_file),
+    view = subprocess.Popen([sys.executable, "-m", "characters_jax.cli", "view", "--config", "talking", "--port", "0", "--state-file", str(state_file),
                              "--out", str(tmp)], env=child_env(1), stdout=view_log, stderr=subprocess.STDOUT)
     browser = Browser(tmp, mic)
     report: dict = {}

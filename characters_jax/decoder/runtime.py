@@ -126,8 +126,12 @@ class VaeRuntime:
         return self._encode_video(self._enc_params, jnp.asarray(rgb, jnp.uint8))
 
     def warmup(self) -> None:
-        """Compiles both programs."""
+        """Compiles both programs: the decode from a new session's state and from the state
+        a decode returns (placed on the device like the weights: with restored weights
+        another signature, which compiled on a session's second chunk, a 0.8 s stall)."""
         v = self.config.video
         self.encode(np.zeros((v.height, v.width, 3), np.uint8)).block_until_ready()
-        frames, _ = self.decode(self.initial_state(), np.zeros(self.latent_shape, np.float32))
+        latent = np.zeros(self.latent_shape, np.float32)
+        frames, state = self.decode(self.initial_state(), latent)
+        frames, _ = self.decode(state, latent)
         frames.block_until_ready()
