@@ -119,9 +119,11 @@ def test_damaged_weights_are_clear_errors_at_start_up(weights_dir, tmp_path):
         VaeRuntime(cfg, checkpoint=bad)
 
 
-def test_the_shipped_weights_decode_a_session_without_compiling():
-    """The bundled talking weights (restored onto this machine's device): after warm-up, a
-    session's decodes, from a new state and from each returned one, compile nothing."""
+@pytest.mark.parametrize("weights", ["shipped", "random"])
+def test_a_stream_decodes_without_compiling_after_warm_up(weights):
+    """The bundled talking weights (restored onto this machine's device) and random ones:
+    after warm-up, a stream's decodes, from a new state and from each returned one, compile
+    nothing."""
     from jax import monitoring
 
     from characters_jax.decoder.weights import bundled_weights
@@ -129,7 +131,7 @@ def test_the_shipped_weights_decode_a_session_without_compiling():
     cfg = load_config("talking")
     path = bundled_weights("talking")
     assert path is not None, "checkpoints/talking is missing"
-    rt = VaeRuntime(cfg, checkpoint=path)
+    rt = VaeRuntime(cfg, checkpoint=path if weights == "shipped" else None)
     rt.warmup()
     compiles = []
     monitoring.register_event_duration_secs_listener(
@@ -139,4 +141,4 @@ def test_the_shipped_weights_decode_a_session_without_compiling():
     for _ in range(3):
         frames, state = rt.decode(state, rng.standard_normal(rt.latent_shape).astype(np.float32))
         assert np.asarray(frames).shape == (cfg.video.frames_per_step, cfg.video.height, cfg.video.width, 3)
-    assert compiles == [], f"{len(compiles)} compilations during a session's decodes (seed 3)"
+    assert compiles == [], f"{weights} weights: {len(compiles)} compilations while a stream decodes (seed 3)"

@@ -83,6 +83,10 @@ class VaeRuntime:
             dec_def, self._dec_params = init_module(lambda: VideoDecoder(cfg, rngs=nnx.Rngs(0)), seed)
             enc_def, self._enc_params = init_module(lambda: VideoEncoder(cfg, rngs=nnx.Rngs(0)), seed + 1)
             stats = None
+        # Weights, and every state a stream starts from, committed to this process's device:
+        # a decode's returned state then has the placement of a new one (one compiled program).
+        self._device = jax.devices()[0]
+        self._dec_params, self._enc_params = jax.device_put((self._dec_params, self._enc_params), self._device)
         self.stats: LatentStats | None = stats
         v, m = cfg.video, cfg.model
         self.latent_shape = (v.grid_h, v.grid_w, m.latent_channels)
@@ -110,7 +114,7 @@ class VaeRuntime:
 
     def initial_state(self) -> list[jax.Array]:
         """Empty temporal history: what a new session starts from."""
-        return [jnp.zeros(s.shape, s.dtype) for s in self._state_shapes]
+        return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._device) for s in self._state_shapes]
 
     def decode(self, state, latent) -> tuple[jax.Array, list[jax.Array]]:
         """(state, latent [grid_h, grid_w, C] f32) -> (frames [frames_per_step, H, W, 3] uint8, state)."""
@@ -126,12 +130,8 @@ class VaeRuntime:
         return self._encode_video(self._enc_params, jnp.asarray(rgb, jnp.uint8))
 
     def warmup(self) -> None:
-        """Compiles both programs: the decode from a new session's state and from the state
-        a decode returns (placed on the device like the weights: with restored weights
-        another signature, which compiled on a session's second chunk, a 0.8 s stall)."""
+        """Compiles both programs."""
         v = self.config.video
         self.encode(np.zeros((v.height, v.width, 3), np.uint8)).block_until_ready()
-        latent = np.zeros(self.latent_shape, np.float32)
-        frames, state = self.decode(self.initial_state(), latent)
-        frames, _ = self.decode(state, latent)
+        frames, _ = self.decode(self.initial_state(), np.zeros(self.latent_shape, np.float32))
         frames.block_until_ready()
