@@ -306,16 +306,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampler.sigmas: must be at least two strictly decreasing values, got {s.sigmas}")
 
 
-def load_config(name_or_path: str) -> Config:
-    """Loads `configs/<name>.toml`, or a .toml file given by path, and validates it."""
+def read_toml(name_or_path: str, directory: pathlib.Path, what: str) -> tuple[dict, pathlib.Path]:
+    """(the parsed table, its path) of `directory/<name>.toml`, or of a .toml path. Raises
+    ConfigError naming `what` and the known names when there is no such file."""
     path = pathlib.Path(name_or_path)
     if path.suffix != ".toml":
-        path = CONFIG_DIR / f"{name_or_path}.toml"
+        path = directory / f"{name_or_path}.toml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
-        raise ConfigError(f"config {name_or_path!r} not found (known: {known})")
+        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
+        raise ConfigError(f"{what} {name_or_path!r} not found (known: {known})")
     with path.open("rb") as fh:
-        raw = tomllib.load(fh)
+        return tomllib.load(fh), path
+
+
+def load_config(name_or_path: str) -> Config:
+    """Loads `configs/<name>.toml`, or a .toml file given by path, and validates it."""
+    raw, path = read_toml(name_or_path, CONFIG_DIR, "config")
     return config_from_dict(raw, default_name=path.stem)
 
 

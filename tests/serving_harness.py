@@ -19,6 +19,7 @@ from PIL import Image
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.client import CharacterClient
 from characters_jax.serving.server import SERVICE_NAME, child_env
+from characters_jax.serving.supervisor import terminate
 
 
 def speech(seconds: float, seed: int = 0) -> np.ndarray:
@@ -97,11 +98,7 @@ class Worker:
             self.proc.send_signal(signal.SIGTERM)
 
     def wait_stopped(self):
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 20)  # SIGTERM was sent: this waits, then kills a worker still running
         if self.client is not None:
             self.client.close()
         self.log.close()
@@ -220,3 +217,22 @@ def poll(predicate, timeout: float = 10.0, every: float = 0.005) -> None:
     while not predicate():
         assert time.monotonic() - t0 < timeout, f"not reached within {timeout} s"
         time.sleep(every)
+
+
+def report_writer(env_var: str):
+    """(reports, fixture): a dict the tests fill, and a module fixture (autouse) that writes
+    it as JSON to the file $env_var names, when set, after the module's tests."""
+    import os
+
+    import pytest
+
+    reports: dict = {}
+
+    @pytest.fixture(scope="module", autouse=True)
+    def write_reports():
+        yield
+        path = os.environ.get(env_var)
+        if path and reports:
+            pathlib.Path(path).write_text(json.dumps(reports, indent=2))
+
+    return reports, write_reports

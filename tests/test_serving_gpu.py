@@ -9,7 +9,6 @@ Set CHARACTERS_SERVING_REPORT=PATH to also write the figures as JSON.
 """
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -19,19 +18,10 @@ from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving import placement
 from characters_jax.serving.server import child_env
-from serving_harness import Worker, png, speech
+from serving_harness import Worker, png, report_writer, speech
 
 pytestmark = pytest.mark.gpu
-REPORTS: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def write_report():
-    yield
-    path = os.environ.get("CHARACTERS_SERVING_REPORT")
-    if path and REPORTS:
-        with open(path, "w") as fh:
-            json.dump(REPORTS, fh, indent=2)
+REPORTS, write_report = report_writer("CHARACTERS_SERVING_REPORT")  # $CHARACTERS_SERVING_REPORT: the figures as JSON
 
 
 @pytest.mark.parametrize("config, seconds, ready_within_s", [("small", 4.0, 120), ("talking", 4.0, 120), ("characters-57b", 4.0, 60)])

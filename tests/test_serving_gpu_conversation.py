@@ -8,7 +8,6 @@ Set CHARACTERS_CONVERSATION_REPORT=PATH to also write the figures as JSON.
 """
 
 import json
-import os
 import threading
 import time
 
@@ -20,19 +19,10 @@ from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving import placement
 from characters_jax.serving.playout import PlayoutClock
 from characters_jax.serving.server import child_env
-from serving_harness import Recorder, Worker, png, poll, speech
+from serving_harness import Recorder, Worker, png, poll, report_writer, speech
 
 K = pb.SpeechEvent
-REPORTS: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def write_report():
-    yield
-    path = os.environ.get("CHARACTERS_CONVERSATION_REPORT")
-    if path and REPORTS:
-        with open(path, "w") as fh:
-            json.dump(REPORTS, fh, indent=2)
+REPORTS, write_report = report_writer("CHARACTERS_CONVERSATION_REPORT")  # $CHARACTERS_CONVERSATION_REPORT: the figures as JSON
 
 
 def converse_and_interrupt(w: Worker, cfg) -> dict:

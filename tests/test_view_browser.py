@@ -37,6 +37,7 @@ pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiort
 from characters_jax.audio.pcm import read_wav  # noqa: E402
 from characters_jax.serving import assets  # noqa: E402
 from characters_jax.serving.server import child_env  # noqa: E402
+from characters_jax.serving.supervisor import terminate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "chromium-headless-shell")) if p), None)
@@ -297,13 +298,7 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
         report["mp4_path"] = await asyncio.to_thread(mp4_path_click_latency, worker)
     finally:
         await browser.close()
-        if view.poll() is None:
-            view.send_signal(signal.SIGTERM)
-            try:
-                view.wait(30)
-            except subprocess.TimeoutExpired:
-                view.kill()
-                view.wait()
+        terminate(view)
         view_log.close()
     report["view_exit_code"] = view.returncode
     report["screenshot"], report["_png"], report["_rects"] = str(tmp / "view.png"), png, rects

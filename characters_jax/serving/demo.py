@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import time
 
 from characters_jax.serving import assets
 from characters_jax.serving.server import child_env
+from characters_jax.serving.supervisor import terminate
 
 
 def demo_command(args) -> int:
@@ -72,13 +72,7 @@ def demo_command(args) -> int:
                 print(f"demo: worker ready in {ready_s:.1f} s on port {state['port']} (metrics on {state['metrics_port']}); streaming {audio.name} at real-time pace", flush=True)
                 summary = run_talk(f"127.0.0.1:{state['port']}", image, audio, mp4, prompt=args.prompt, seed=1)
             finally:
-                if worker.poll() is None:
-                    worker.send_signal(signal.SIGTERM)
-                    try:
-                        worker.wait(30)
-                    except subprocess.TimeoutExpired:
-                        worker.kill()
-                        worker.wait()
+                terminate(worker)
     samples, fmt = read_wav(str(audio))
     expected = Timeline.from_config(cfg).steps_for(len(samples)) * cfg.video.frames_per_step
     probe = probe_mp4(mp4)

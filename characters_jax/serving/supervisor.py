@@ -24,6 +24,19 @@ def _die_with_parent() -> None:
         pass
 
 
+def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """Stops a child: SIGTERM (a worker drains), SIGKILL if it is still running after
+    `timeout` seconds. Returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 REFUSED = 2  # the exit status of a command that refuses its arguments (argparse's, ours)
 
 
@@ -74,12 +87,6 @@ class Supervisor:
     def stop(self, timeout: float = 10.0) -> None:
         """Terminates the child (SIGTERM, then SIGKILL after `timeout`) and stops restarting."""
         self._stop.set()
-        p = self._proc
-        if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        if self._proc is not None:
+            terminate(self._proc, timeout)
         self._thread.join(timeout)

@@ -69,13 +69,9 @@ class LocalWorker:
         return True
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from characters_jax.serving.supervisor import terminate
+
+        terminate(self.proc)
         self._log.close()
         self._tmp.cleanup()
 

@@ -10,10 +10,9 @@ overrides apply on top; an unknown key is an error that names it.
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import tomllib
 
-from characters_jax.config import CONFIG_DIR, ConfigError
+from characters_jax.config import CONFIG_DIR, ConfigError, read_toml
 from characters_jax.train.dit_train import DitSettings
 from characters_jax.train.evaluate import EvalSettings
 from characters_jax.train.loop import LoopSettings
@@ -117,14 +116,7 @@ def settings_from_dict(raw: dict) -> TrainSettings:
 def load_settings(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainSettings:
     """configs/train/<name>.toml (or a .toml path), then `section.key=value` overrides
     (values in TOML syntax: 8, 1e-3, true, "text")."""
-    path = pathlib.Path(name_or_path)
-    if path.suffix != ".toml":
-        path = TRAIN_DIR / f"{name_or_path}.toml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in TRAIN_DIR.glob("*.toml")))
-        raise ConfigError(f"training settings {name_or_path!r} not found (known: {known})")
-    with path.open("rb") as fh:
-        raw = tomllib.load(fh)
+    raw, _ = read_toml(name_or_path, TRAIN_DIR, "training settings")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
