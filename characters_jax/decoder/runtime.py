@@ -120,6 +120,16 @@ class VaeRuntime:
         """(state, latent [grid_h, grid_w, C] f32) -> (frames [frames_per_step, H, W, 3] uint8, state)."""
         return self._decode(self._dec_params, state, jnp.asarray(latent, jnp.float32))
 
+    def decode_stream(self, latents) -> np.ndarray:
+        """uint8 [steps * frames_per_step, H, W, 3]: latents [steps, gh, gw, C] decoded in
+        order from a new stream's state, the temporal state carried (as the decoder process
+        decodes a session)."""
+        state, out = self.initial_state(), []
+        for z in latents:
+            chunk, state = self.decode(state, z)
+            out.append(chunk)
+        return np.concatenate([np.asarray(c) for c in out])
+
     def encode(self, rgb: np.ndarray) -> jax.Array:
         """rgb [H, W, 3] uint8 at the video size -> latent [grid_h, grid_w, latent_channels] f32."""
         return self._encode(self._enc_params, jnp.asarray(rgb, jnp.uint8))

@@ -3,8 +3,8 @@
 `ClipSession` is the generator side of a worker (an ``engine.step.Engine`` and its
 parameters, the step state reused from session to session, as `DiTGenerator` does): one
 prefill with the clip's portrait latent and the prompt, then one step per audio token
-window. The trained VAE decodes each latent frame with its temporal state carried (the
-decoder process's path), and the shipped probes read the frames: lip sync against the
+window. The trained VAE decodes each latent frame with its temporal state carried
+(`VaeRuntime.decode_stream`, the decoder process's path), and the shipped probes read the frames: lip sync against the
 ground-truth track, identity distance to the portrait.
 """
 
@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from characters_jax.numerics.clips import ClipInputs
+from characters_jax.train.evaluate import EvalSettings
 
-PROMPT = "a friendly character, talking"  # the evaluation's prompt (train.evaluate.EvalSettings)
+PROMPT = EvalSettings.prompt  # the training evaluation's prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +57,6 @@ class ClipSession:
         return np.stack([np.asarray(z) for z in out])
 
 
-def decode(vae, latents: np.ndarray) -> np.ndarray:
-    """uint8 [steps * frames_per_step, H, W, 3]: latents [steps, gh, gw, C] decoded in order."""
-    state, out = vae.initial_state(), []
-    for z in latents:
-        chunk, state = vae.decode(state, z)
-        out.append(chunk)
-    return np.concatenate([np.asarray(c) for c in out])
-
-
 @dataclasses.dataclass(frozen=True)
 class Probes:
     """The shipped probes: mouth (lip sync) and identity (None: not shipped)."""
@@ -90,7 +82,7 @@ def _clip_frames(session: ClipSession, vae, clips: ClipInputs, perturb, on_clip)
         if perturb is not None:
             latent, tokens = perturb(latent, tokens, i)
         z = session(latent, tokens, int(clips.seed[i]))
-        yield i, z, decode(vae, z)[: clips.frames]
+        yield i, z, vae.decode_stream(z)[: clips.frames]
         if on_clip is not None:
             on_clip(i)
 

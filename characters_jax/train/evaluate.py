@@ -59,24 +59,16 @@ def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, 
     timeline = Timeline.from_config(cfg)
     latent = np.asarray(vae.encode(image))
     generator.start_session(latent, list(prompt.encode("utf-8")), seed)
-    state = vae.initial_state()
-    out = []
-    for s in range(timeline.steps_for(len(audio))):
-        z = generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
-        chunk, state = vae.decode(state, z)
-        out.append(np.asarray(chunk))
-    video = np.concatenate(out)
+    latents = [generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
+               for s in range(timeline.steps_for(len(audio)))]
+    video = vae.decode_stream(latents)
     return video[:frames] if frames is not None else video
 
 
 def reconstruct(vae, frames: np.ndarray) -> np.ndarray:
     """uint8 [T, H, W, 3]: frames (T a multiple of 4) encoded, then decoded chunk by chunk
     with the decoder's state carried."""
-    state, out = vae.initial_state(), []
-    for z in np.asarray(vae.encode_video(frames)):
-        chunk, state = vae.decode(state, z)
-        out.append(np.asarray(chunk))
-    return np.concatenate(out)
+    return vae.decode_stream(np.asarray(vae.encode_video(frames)))
 
 
 # The engine's portable paths, for a backend where a default kernel does not build.
