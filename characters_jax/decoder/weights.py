@@ -234,21 +234,15 @@ def bundled_weights(name: str) -> pathlib.Path | None:
 
 
 def checkpoint_path(choice: str | None, config_name: str) -> pathlib.Path | None:
-    """The weights directory a `--checkpoint` flag names, unchecked (no JAX): 'auto' (or
-    None) is the config's bundled weights if the repository has them, else random weights
-    (None); 'none' is random weights; anything else a path."""
+    """The weights directory a `--checkpoint` flag names, unchecked (no JAX; `open_weights`
+    checks it where it is loaded): 'auto' (or None) is the config's bundled weights if the
+    repository has them, else random weights (None); 'none' is random weights; anything else
+    a path."""
     if choice in (None, "", "auto"):
         return bundled_weights(config_name)
     if choice == "none":
         return None
     return pathlib.Path(choice)
-
-
-def resolve_checkpoint(choice: str | None, cfg) -> str | None:
-    """`checkpoint_path`, checked against cfg (`open_weights`), so a wrong one fails before
-    anything compiles. Raises WeightsError / FileNotFoundError."""
-    path = checkpoint_path(choice, cfg.name)
-    return None if path is None else str(open_weights(path, cfg).path)
 
 
 def demo_clip(checkpoint) -> dict | None:

@@ -65,13 +65,12 @@ def run_decoder(args) -> int:
     from characters_jax.decoder.service import start_decoder_server
 
     stop = _wait_for_stop()
-    from characters_jax.decoder.weights import WeightsError, resolve_checkpoint
+    from characters_jax.decoder.weights import WeightsError, checkpoint_path
 
     cfg = load_config(args.config)
     t0 = time.perf_counter()
     try:
-        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
-        rt = VaeRuntime(cfg, seed=args.seed, checkpoint=checkpoint)
+        rt = VaeRuntime(cfg, seed=args.seed, checkpoint=checkpoint_path(args.checkpoint, cfg.name))  # checked there
     except (WeightsError, FileNotFoundError) as err:
         print(f"characters-jax decode-serve: --checkpoint: {err}", file=sys.stderr)
         return 2
@@ -176,11 +175,10 @@ def run_worker(args) -> int:
     from characters_jax.audio.timeline import Timeline
     from characters_jax.config import load_config, with_engine_arguments
     from characters_jax.serving.decoder_link import DecoderClient
-    from characters_jax.serving.images import ImageLimits
     from characters_jax.serving.metrics import WorkerMetrics
     from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
     from characters_jax.serving.supervisor import Supervisor
-    from characters_jax.serving.worker import WorkerContext, WorkerOptions
+    from characters_jax.serving.worker import WorkerContext
     from characters_jax.serving.worker_server import WorkerServer
 
     stop = _wait_for_stop()
@@ -196,11 +194,12 @@ def run_worker(args) -> int:
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
                      generator_memory_fraction=args.memory_fraction)
     apply_to_this_process(placement.generator_env())
-    from characters_jax.decoder.weights import WeightsError, dit_checkpoint, resolve_checkpoint
+    from characters_jax.decoder.weights import WeightsError, checkpoint_path, dit_checkpoint
 
     try:  # the weights checked against the config (after the placement: this starts JAX), before any compile
-        checkpoint = resolve_checkpoint(args.checkpoint, cfg)
-        dit_path = dit_checkpoint(checkpoint, cfg) if checkpoint else None
+        path = checkpoint_path(args.checkpoint, cfg.name)
+        dit_path = dit_checkpoint(path, cfg) if path else None
+        checkpoint = str(path.resolve()) if path else None
     except (WeightsError, FileNotFoundError) as err:
         print(f"characters-jax serve: --checkpoint: {err}", file=sys.stderr)
         return 2
