@@ -290,11 +290,9 @@ def _run(setup: _Setup, label: str, engine, params, perturb=None, seed_shift: in
 
 # The reference's run-to-run variation by default: a one-ulp nudge, other noise seeds (what
 # two sessions of the same system differ by: each draws its own noise), another tp size
-# where the devices allow. On the trained model the ulp/tp runs alone move the mean score by
-# ~1e-4 (chaos of a few ulps, no signal), so every FP8 path would fail a band of their
-# spread; the seed runs give the variation a user sees between runs (0.0031 of 0.696 on 51
-# clips, one H200), and planted bugs (RoPE one frame late: -0.11; FP8 cache scale x4: -0.5)
-# stay far outside it.
+# where the devices allow. The ulp/tp runs alone barely move a trained model's score (a few
+# ulps of chaos), so a band of their spread would fail every FP8 path; planted bugs stay far
+# outside the seed band (BUILD_NOTES.md, The quality gate).
 DEFAULT_PERTURBATIONS = ("ulp", "seed", "tp", "seed")
 SEED_SHIFT = 7919  # a 'seed' reference run k moves every clip's noise seed by k * SEED_SHIFT
 
