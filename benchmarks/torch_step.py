@@ -84,6 +84,7 @@ import numpy as np  # noqa: E402
 
 from characters_jax.measure.bench import reset_steps  # noqa: E402
 from characters_jax.model.rope import rope_frequencies  # noqa: E402
+from pallas_kernels.numerics import AMAX_FLOOR, FP8_MAX  # noqa: E402
 
 try:
     import torch
@@ -94,8 +95,6 @@ except ImportError as _err:  # the CPU CI has no torch: main() says so, the test
 else:
     TORCH_IMPORT_ERROR = None
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-12
 TIME_FREQ_DIM = 256
 SCALES = ("row", "tensor")
 # Profiler scopes of the step, one per component (flat: none nests in another).

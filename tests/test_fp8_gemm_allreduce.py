@@ -214,7 +214,7 @@ def test_stacked_weight_is_read_in_place_at_tp(tp):
     text = _lower_scan(mesh, tp, layers=4, stacked=True, addend=True)
     calls = _mosaic_calls(text)
     assert len(calls) == 1
-    assert f"tensor<4x512x256xf8E4M3FN>" in calls[0][0].rsplit(":", 1)[-1]
+    assert "tensor<4x512x256xf8E4M3FN>" in calls[0][0].rsplit(":", 1)[-1]
     slices = [ln for ln in text.splitlines()
               if any(op in ln for op in ("stablehlo.dynamic_slice", "stablehlo.slice",
                                           "stablehlo.gather", "stablehlo.copy"))

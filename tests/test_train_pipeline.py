@@ -83,7 +83,6 @@ def test_a_stage_resumes_from_its_checkpoint(tmp_path):
     program comes from the compilation cache)."""
     from characters_jax.train.dit_train import train_dit
     from characters_jax.train.latents import DitData
-    from characters_jax.train.settings import LoopSettings
     from characters_jax.train.state_io import StageStore
 
     cfg = mini_config()

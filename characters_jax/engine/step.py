@@ -15,7 +15,6 @@ context. Nothing syncs the host.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp

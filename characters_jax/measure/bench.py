@@ -76,7 +76,6 @@ def random_session_inputs(cfg, engine, seed: int):
 
 def run_bench(args) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_gemm_stacked
 from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
-from pallas_kernels.numerics import (AMAX_FLOOR, FP8 as FP8_DTYPE, FP8_MAX, quantize_activation,
+from pallas_kernels.numerics import (FP8 as FP8_DTYPE, FP8_MAX, quantize_activation,
                                      row_broadcast as _row_broadcast, scale_from_amax, to_fp8)
 
 # How activations are scaled for FP8: one scale per tensor, or one per row (token).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
