@@ -14,7 +14,7 @@ from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.channel_options import chunk_message_bytes, worker_server_options
 from characters_jax.serving.client import parse_target
-from characters_jax.serving.conversation import Limits
+from characters_jax.serving.conversation import Limits, PlaybackClock
 from characters_jax.serving.health import SERVICE_NAME, WorkerHealth
 from characters_jax.serving.worker import WorkerOptions, resolve_limits
 
@@ -84,6 +84,21 @@ def test_playout_clock_counts_underruns():
     clock.end()
     clock.wait_drained(2)
     assert clock.played == 4 and clock.underruns == 1 and reports[-1] == (4, 1)
+
+
+def test_a_report_ahead_of_the_recorded_send_is_kept():
+    """gRPC can hand a chunk to the client, and its report come back, before the stream
+    records the chunk as sent: the report counts once the send is recorded."""
+    clock = PlaybackClock(24, reports=True)
+    clock.on_sent(4, now=0.0)
+    clock.report(4, 0)
+    assert clock.played(0.1) == 4.0
+    clock.report(8, 0)  # the client played a chunk the stream has not recorded yet
+    assert clock.played(0.2) == 4.0
+    clock.on_sent(4, now=0.3)
+    assert clock.played(0.3) == 8.0
+    clock.truncate(6, now=0.4)  # an interrupt at frame 6
+    assert clock.played(0.4) == 6.0 and clock.sent == 6
 
 
 def test_tensor_roundtrip_and_checks():

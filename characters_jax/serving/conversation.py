@@ -96,7 +96,9 @@ class PlaybackClock:
 
     With reports it is the client's frames_played; without, the wall clock at fps from the
     first chunk sent. Either way never more than the frames sent: a client that ran out
-    waits for the next frame, and so does the estimate."""
+    waits for the next frame, and so does the estimate. A report may arrive before the
+    stream has recorded the chunk it counts as sent (gRPC hands the message over before
+    the stream resumes): it is kept whole and read against the frames sent."""
 
     def __init__(self, fps: int, reports: bool):
         self.fps, self.reports = fps, reports
@@ -122,12 +124,12 @@ class PlaybackClock:
         """Returns the number of new underruns."""
         new = max(0, underruns - self.underruns)
         self.underruns = max(self.underruns, underruns)
-        self.reported = max(self.reported, min(frames_played, self.sent))
+        self.reported = max(self.reported, frames_played)
         return new
 
     def played(self, now: float) -> float:
         if self.reports:
-            return float(self.reported)
+            return float(min(self.reported, self.sent))
         if self._t0 is None:
             return 0.0
         est = (now - self._t0) * self.fps
