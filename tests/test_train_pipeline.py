@@ -28,12 +28,12 @@ def mini_settings(**stages):
         "seed": 0,
         "budget": {"deadline_s": 900.0, "vae": 0.3, "eval": 0.2},
         "data": {"train_clips": 6, "clip_seconds": 2.0, "heldout_clips": 2, "heldout_seconds": 2.0,
-                 "session_seconds": 0.0, "workers": 2, "shard_size": 3, "min_train_clips": 6},
+                 "session_seconds": 3.0, "sessions": 2, "workers": 2, "shard_size": 3, "min_train_clips": 6},
         # a pool of few faces: the few steps see the same ones again
         "vae": {"batch": 4, "chunks": 1, "lr": 3e-3, "warmup_steps": 3, "max_steps": 14, "pool_identities": 2,
                 "pool_motions": 2, "pool_span": 8, "still_fraction": 0.0, **loop},
         "dit": {"batch": 4, "lr": 3e-3, "warmup_steps": 3, "max_steps": 14, **loop},
-        "eval": {"clips": 2, "random_baseline": False},
+        "eval": {"clips": 2, "random_baseline": False, "window_s": 1.4},
     }
     for k, v in stages.items():
         raw[k].update(v)
@@ -66,6 +66,11 @@ def test_train_all_runs_every_stage_and_the_losses_fall(trained):
     assert set(result["table"]) == {"ground truth", "ground truth, shuffled", "through the VAE", "generated",
                                    "generated, shuffled"}
     assert "| generated |" in (out / "eval" / "eval.md").read_text()
+    drift = result["drift"]  # two 3 s sessions, first and last 1.4 s of each
+    assert drift["sessions"] == 2 and len(drift["per_session"]) == 2
+    for window in ("first", "last"):
+        assert all(np.isfinite(drift[window][k]) for k in ("confidence", "ground_truth_confidence"))
+    assert "Drift over 2 sessions of 3 s" in (out / "eval" / "eval.md").read_text()
 
 
 def test_weights_load_through_the_start_up_checks(trained):

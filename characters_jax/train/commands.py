@@ -26,27 +26,18 @@ def _all(args) -> int:
 def _eval(args) -> int:
     import pathlib
 
-    from characters_jax.decoder.weights import open_weights
-    from characters_jax.train.evaluate import evaluate, markdown
-    from characters_jax.train.pipeline import Clock, PlanQueue, plan_makers
-    from characters_jax.train.plans import load_plans
-    from characters_jax.train.state_io import write_json
+    from characters_jax.train.evaluate import markdown
+    from characters_jax.train.pipeline import Clock, PlanQueue, plan_makers, run_eval
 
     cfg, s = _settings(args)
-    weights = open_weights(args.weights, cfg)
     out = pathlib.Path(args.out)
-    log = Clock(0).logger()
     makers = plan_makers(cfg, s, out / "plans")
     makers.pop("train")
     queue = PlanQueue(makers).start()
-    queue.wait_for("heldout", s.data.heldout_clips, done=True)
-    session = None
-    if "session" in makers:
-        queue.wait_for("session", 1, done=True)
-        session = load_plans(out / "plans" / "session", "heldout")
-    result = evaluate(cfg, weights, load_plans(out / "plans", "heldout", limit=s.eval.clips), s.eval, session, log)
-    write_json(out / "eval.json", result)
-    (out / "eval.md").write_text(markdown(result))
+    try:
+        result = run_eval(cfg, s, out, queue, args.weights, Clock(0).logger())
+    finally:
+        queue.stop()
     print(markdown(result))
     return 0
 

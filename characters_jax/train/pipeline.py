@@ -73,8 +73,8 @@ def plan_makers(cfg: Config, s: TrainSettings, plans_dir: pathlib.Path) -> dict[
         "train": PlanMaker(plans_dir, "train", d.train_clips, spec(d.clip_seconds), s.seed, workers, d.shard_size),
     }
     if d.session_seconds > 0:
-        # the drift session: a held-out clip past the evaluation's indices
-        makers["session"] = PlanMaker(plans_dir / "session", "heldout", 1, spec(d.session_seconds), s.seed, workers, 1,
+        # the drift sessions: held-out clips past the evaluation's indices
+        makers["session"] = PlanMaker(plans_dir / "session", "heldout", d.sessions, spec(d.session_seconds), s.seed, workers, 1,
                                       first=d.heldout_clips)
     return makers
 
@@ -213,7 +213,7 @@ def _export(directory, *paths) -> None:
 
 def run_eval(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, weights_dir, log,
              time_limit_s: float | None = None) -> dict:
-    """Evaluates weights_dir on the held-out plans (and the drift session); writes
+    """Evaluates weights_dir on the held-out plans (and the drift sessions); writes
     out/eval/eval.json and eval.md."""
     queue.wait_for("heldout", s.data.heldout_clips, done=True)
     heldout = load_plans(out / "plans", "heldout", limit=s.eval.clips)

@@ -27,8 +27,9 @@ class DataSettings:
     train_clips: int = 2048
     clip_seconds: float = 8.0  # 48 steps: every position the engine gives, one reset included
     heldout_clips: int = 51
-    heldout_seconds: float = 4.0
-    session_seconds: float = 60.0  # the drift session (0: none)
+    heldout_seconds: float = 8.0
+    session_seconds: float = 60.0  # the drift sessions' length (0: none)
+    sessions: int = 8  # drift sessions
     workers: int = 0  # planning processes (0: cores - 1)
     shard_size: int = 64
     min_train_clips: int = 64  # the DiT waits for at least this many
