@@ -666,14 +666,17 @@ class TorchStep:
         self.freqs = torch.from_numpy(rope_frequencies(D, spec.rope_split, spec.rope_theta)).to(dev)
         self.pass_features = torch.stack([timestep_features(s) for s in spec.sigmas[:-1]]).to(dev)
         self.sink_features = timestep_features(0.0).to(dev)
-        # Row scales: each block weight's per-tensor scale as the [1, N] operand _scaled_mm takes.
+        # Each block weight's per-tensor scale, per layer: row scales as the [1, N] operand
+        # _scaled_mm takes; tensor scales one per 16 bytes ([L, 4], column 0), since cuBLASLt
+        # refuses a scale pointer that is not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED).
         self.w_scale = {}
         for i, name in enumerate(BLOCK_PROJECTIONS):
-            s = weights.scales[:, i].float().contiguous()
+            s = weights.scales[:, i].float()
             if self.act_scale == "row":
                 n = weights.block(name).shape[1]
-                s = s[:, None, None].expand(L, 1, n).contiguous()
-            self.w_scale[name] = s
+                self.w_scale[name] = s[:, None, None].expand(L, 1, n).contiguous()
+            else:
+                self.w_scale[name] = s[:, None].expand(L, 4).contiguous()[:, 0]
         compiler = inductor if (compile or (compile is None and self.cuda)) else None
         self.compiled = compiler is not None
         self.ops = make_ops(spec, self.act_scale, self.cache_dtype, compiler)
