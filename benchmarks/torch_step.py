@@ -1374,7 +1374,7 @@ def parse_args(argv):
     p.add_argument("--config", default="characters-57b", help="config name (configs/NAME.toml) or path")
     p.add_argument("--steps", type=int, default=30, help="timed steps per side (after warm-up)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps after the first (default ring_frames + 1: the ring full)")
-    p.add_argument("--scales", choices=SCALES + ("both",), default="row", help="PyTorch FP8 activation scales: per row (CUTLASS), per tensor (cuBLASLt: fails inside the step on torch 2.11 / H200), or both one after the other")
+    p.add_argument("--scales", choices=SCALES + ("both",), default="row", help="PyTorch FP8 activation scales: per row (CUTLASS), per tensor (cuBLASLt), or both one after the other")
     p.add_argument("--share", type=int, default=1, help="one GPU's share of tp = N (num_heads / N, mlp_dim / N), run at tp = 1")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: JAX on N GPUs here, torch in N processes (NCCL)")
     p.add_argument("--side", choices=("both", "jax", "torch"), default="both")
