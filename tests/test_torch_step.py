@@ -88,6 +88,21 @@ def test_fp8_step_matches_jax_fp8_and_a_float_reference():
         assert min(errs) > 1e-3, (mode, errs)  # the GEMMs' inputs were quantized: not the float path
 
 
+def test_every_layers_tensor_scale_is_16_byte_aligned():
+    """cuBLASLt refuses a scale pointer that is not 16-byte aligned: each layer's per-tensor
+    weight scale, as the step hands it to ``_scaled_mm``, starts on a 16-byte boundary and
+    holds that layer's scale."""
+    cfg = _fp8_config("tiny", "tensor")
+    spec = ts.StepSpec.from_config(cfg)
+    weights = ts.random_weights(spec, torch.device("cpu"), seed=SEED)
+    engine = ts.TorchStep(spec, weights, "cpu", act_scale="tensor", compile=False)
+    for i, name in enumerate(ts.BLOCK_PROJECTIONS):
+        for layer in range(spec.num_blocks):
+            scale = engine.w_scale[name][layer]
+            assert scale.data_ptr() % 16 == 0, (name, layer, scale.data_ptr() % 16)
+            assert scale.item() == weights.scales[layer, i].float().item(), (name, layer)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler (g++)")
 def test_compiled_elementwise_work_equals_eager():
     """Inductor's kernels (C++ on the CPU here; Triton on the GPU, where the GPU tests run
@@ -180,12 +195,7 @@ def test_gpu_compiled_graph_step_matches_jax_float32():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="torch has no CUDA device")
-@pytest.mark.parametrize("act_scale", [
-    "row",
-    pytest.param("tensor", marks=pytest.mark.xfail(
-        strict=True, reason="per-tensor _scaled_mm (cuBLASLt) answers CUBLAS_STATUS_NOT_SUPPORTED inside the "
-                            "step on torch 2.11 / H200, though the same shapes run alone (BUILD_NOTES.md, The PyTorch step)")),
-])
+@pytest.mark.parametrize("act_scale", ["row", "tensor"])
 def test_gpu_scaled_mm_step_close_to_a_float_reference(act_scale):
     cfg = _fp8_config("small", act_scale)
     steps = 8  # the mask drops at step 5
