@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -26,13 +27,16 @@ log = logging.getLogger("characters_jax.serving.worker_server")
 
 
 class WorkerServer:
-    def __init__(self, ctx: WorkerContext, options: WorkerOptions, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16):
+    def __init__(self, ctx: WorkerContext, options: WorkerOptions, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
+                 credentials: grpc.ServerCredentials | None = None, interceptors: Sequence[grpc.ServerInterceptor] = ()):
         """Binds host:port (0: any free port; `self.port` is the bound one, 0 if binding
-        failed). Serving starts with `start()`. An empty options.worker_id becomes
+        failed), with TLS when `credentials` are given; `interceptors` run on every RPC.
+        Serving starts with `start()`. An empty options.worker_id becomes
         "<host name>:<port>"."""
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"), interceptors=tuple(interceptors),
                                   options=worker_server_options(ctx.config, options.image_limits.max_bytes, options.max_connection_age_s))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
         self.address = f"{host}:{self.port}"
         self.ctx = ctx
         self.options = options if options.worker_id else dataclasses.replace(options, worker_id=f"{socket.gethostname()}:{self.port}")
