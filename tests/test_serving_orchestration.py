@@ -227,12 +227,13 @@ def test_bad_requests_get_clear_statuses_and_the_worker_stays_healthy(worker, cl
         assert (got, needle in details) == (code, True), (needle, got, details)
         if requests and requests[0] is create:
             assert out[0].WhichOneof("event") == "session" and out[-1].session_event.state == pb.FAILED
-            assert client.get_session(out[0].session.session_id).end_reason == pb.ERROR
+            assert client.get_session(out[0].session.session_id, session_token=out[0].session.session_token).end_reason == pb.ERROR
         wait_idle(worker.address)
     assert health(worker.address, "") == "SERVING"
     s = client.create_session(png())
     out, got, details = converse_raw(worker.address, [create])
-    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and s.session_id in details  # one session per worker
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "another session" in details  # one session per worker
+    assert s.session_id not in details and s.session_token not in details  # nothing of the live session's
     assert client.close_session(s.session_id).end_reason == pb.CLOSED
     wait_idle(worker.address)
 
@@ -247,7 +248,7 @@ def test_a_client_that_goes_away_frees_the_worker(worker):
     wait_idle(worker.address, timeout=1.0)
     assert time.monotonic() - t0 < 1.0
     with cl.CharacterClient(worker.address) as c2:
-        rec = c2.get_session(session.session_id)
+        rec = c2.get_session(session.session_id, session_token=session.session_token)
     assert rec.state == pb.CANCELLED and rec.end_reason == pb.CLIENT_GONE
 
 
@@ -299,7 +300,7 @@ def test_the_balanced_channel_checks_health_on_the_client():
                 out = []
                 for _ in range(8):
                     try:
-                        out.append(stub.GetSession(pb.GetSessionRequest(session_id=held.session_id), timeout=5, wait_for_ready=True).session_id == held.session_id)
+                        out.append(stub.GetSession(pb.GetSessionRequest(session_id=held.session_id, session_token=held.session_token), timeout=5, wait_for_ready=True).session_id == held.session_id)
                     except grpc.RpcError as err:
                         assert err.code() == grpc.StatusCode.NOT_FOUND
                         out.append(False)

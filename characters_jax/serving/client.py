@@ -26,11 +26,22 @@ After `interrupt()` the conversation drops every chunk until the INTERRUPTED eve
 carry speech past the position), and flushes its PlayoutClock. `AsyncConversation` is the
 same over grpc.aio. `converse()` runs a whole clip (CreateSession's session, or its own) and
 returns a ConverseResult. RPC errors surface as grpc.RpcError with the worker's status.
+
+Session tokens: only a session's creator may read, close or stream it. The client keeps the
+session_token of every Session it receives from its creating call (create_session, or a
+conversation that opened its own session) and sends it with get_session, close_session and
+conversation(session_id); a session it did not create needs `session_token=` passed in.
+
+Credentials (credentials.py): `CharacterClient(target, credentials=ClientCredentials(...))`
+connects over TLS (a client certificate for workers that require one) and sends the bearer
+token on every call. A comma list of workers is verified against credentials.server_name,
+else its first host as written (give the workers certificates that carry that name).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import ipaddress
 import json
@@ -46,6 +57,7 @@ import numpy as np
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.channel_options import client_channel_options
+from characters_jax.serving.credentials import ClientCredentials
 from characters_jax.serving.health import SERVICE_NAME
 from characters_jax.serving.playout import PlayoutClock
 
@@ -59,6 +71,7 @@ BALANCED_SERVICE_CONFIG = {
 }
 RETRY_BUFFER_BYTES = 16 << 20  # a start with a reference image must fit for it to be retried
 REOPEN_CODES = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+KEPT_SESSION_TOKENS = 256  # the tokens a client keeps, of the sessions it created last
 
 
 class ConversationError(grpc.RpcError):
@@ -81,6 +94,7 @@ class ChannelTarget:
 
     uri: str
     balanced: bool
+    tls_name: str = ""  # a comma list: its first host as written, the name TLS verifies by default
 
     @property
     def options(self) -> list[tuple[str, object]]:
@@ -89,6 +103,11 @@ class ChannelTarget:
             opts += [("grpc.service_config", json.dumps(BALANCED_SERVICE_CONFIG)),
                      ("grpc.per_rpc_retry_buffer_size", RETRY_BUFFER_BYTES), ("grpc.retry_buffer_size", 4 * RETRY_BUFFER_BYTES)]
         return opts
+
+    def tls_options(self, credentials: ClientCredentials) -> list[tuple[str, object]]:
+        """The name to verify in the workers' certificates, where the target does not give it."""
+        name = credentials.server_name or self.tls_name
+        return [("grpc.ssl_target_name_override", name)] if name else []
 
 
 def _host_port(entry: str) -> tuple[str, int]:
@@ -126,20 +145,36 @@ def parse_target(target: str, balanced: bool | None = None) -> ChannelTarget:
         if len(families) != 1:
             raise ValueError(f"target {target!r}: mixes IPv4 and IPv6 workers; use one family or a DNS name")
         scheme = "ipv4" if families == {4} else "ipv6"
-        return ChannelTarget(f"{scheme}:" + ",".join(a for _, a in addrs), True if balanced is None else balanced)
+        first_host = _host_port(next(e.strip() for e in t.split(",") if e.strip()))[0]
+        return ChannelTarget(f"{scheme}:" + ",".join(a for _, a in addrs), True if balanced is None else balanced, first_host)
     if "://" in t or t.startswith(("dns:", "ipv4:", "ipv6:")):
         return ChannelTarget(t, True if balanced is None else balanced)
     _host_port(t)
     return ChannelTarget(t, bool(balanced))
 
 
-def start_request(*, session_id: str = "", image: bytes | None = None, prompt: str = "", seed: int = 0, limits: pb.SessionLimits | None = None,
-                  playout_reports: bool = True, begin_with_speech: bool = False, audio_format: pb.AudioFormat = PCM_FORMAT) -> pb.ConverseRequest:
-    """The `start` of a Converse stream: of a session made by CreateSession (session_id), or
-    opening one (image, prompt, seed, limits)."""
+def open_channel(target: ChannelTarget, credentials: ClientCredentials | None = None, *, aio: bool = False):
+    """A channel (grpc, or grpc.aio) to `target`: plaintext without credentials, else TLS
+    with the credentials' certificate and token. A client certificate outside its validity
+    period raises ConversationError (UNAUTHENTICATED) before any connection."""
+    g = grpc.aio if aio else grpc
+    if credentials is None:
+        return g.insecure_channel(target.uri, options=target.options)
+    problem = credentials.certificate_problem()
+    if problem:
+        raise ConversationError(grpc.StatusCode.UNAUTHENTICATED, problem)
+    return g.secure_channel(target.uri, credentials.channel_credentials(), options=target.options + target.tls_options(credentials))
+
+
+def start_request(*, session_id: str = "", session_token: str = "", image: bytes | None = None, prompt: str = "", seed: int = 0,
+                  limits: pb.SessionLimits | None = None, playout_reports: bool = True, begin_with_speech: bool = False,
+                  audio_format: pb.AudioFormat = PCM_FORMAT) -> pb.ConverseRequest:
+    """The `start` of a Converse stream: of a session made by CreateSession (session_id and
+    its session_token), or opening one (image, prompt, seed, limits)."""
     start = pb.ConverseRequest.Start(audio_format=audio_format, playout_reports=playout_reports, begin_with_speech=begin_with_speech)
     if session_id:
         start.session_id = session_id
+        start.session_token = session_token
     else:
         start.create.CopyFrom(pb.CreateSessionRequest(image=image or b"", prompt=prompt, seed=seed, limits=limits))
     return pb.ConverseRequest(start=start)
@@ -221,11 +256,13 @@ class Conversation(_Senders):
     thread; the senders may be called from any thread."""
 
     def __init__(self, stub, start: pb.ConverseRequest, *, wait_for_ready: bool, open_timeout: float | None,
-                 playout: PlayoutClock | None = None, reopen: bool | None = None):
+                 playout: PlayoutClock | None = None, reopen: bool | None = None, on_session=None):
         """playout: a clock that this conversation feeds with the frames it yields and whose
         reports it sends (its on_report is set here). reopen: when a worker refuses the
         session (RESOURCE_EXHAUSTED, UNAVAILABLE), open a new call until open_timeout
-        (default: on a balanced channel, i.e. with wait_for_ready)."""
+        (default: on a balanced channel, i.e. with wait_for_ready). on_session(session): called
+        with the Session when it arrives."""
+        self._on_session = on_session
         self._outbox: queue.Queue = queue.Queue()
         self._rx = _Receiver()
         self._opened = threading.Event()
@@ -318,6 +355,8 @@ class Conversation(_Senders):
                         continue
                     if isinstance(msg, pb.Session):
                         self._opened.set()
+                        if self._on_session is not None:
+                            self._on_session(msg)
                     elif isinstance(msg, pb.VideoChunk) and self.playout is not None:
                         self.playout.add_frames(len(msg.frames))
                     yield msg
@@ -416,10 +455,11 @@ class AsyncConversation(_Senders):
             self._outbox.put_nowait(None)
 
 
-def aio_channel(target: str, balanced: bool | None = None) -> tuple[grpc.aio.Channel, ChannelTarget]:
-    """A grpc.aio channel to `target` with the same balancing and limits as CharacterClient."""
+def aio_channel(target: str, balanced: bool | None = None, credentials: ClientCredentials | None = None) -> tuple[grpc.aio.Channel, ChannelTarget]:
+    """A grpc.aio channel to `target` with the same balancing, limits and credentials as
+    CharacterClient."""
     t = parse_target(target, balanced)
-    return grpc.aio.insecure_channel(t.uri, options=t.options), t
+    return open_channel(t, credentials, aio=True), t
 
 
 @dataclasses.dataclass
@@ -477,16 +517,32 @@ class ConverseResult:
 
 
 class CharacterClient:
-    def __init__(self, target: str, balanced: bool | None = None, reopen: bool | None = None):
+    def __init__(self, target: str, balanced: bool | None = None, reopen: bool | None = None, credentials: ClientCredentials | None = None):
         """target: 'host:port', 'h1:p1,h2:p2,...' or 'dns:///name:port' (see parse_target).
         reopen: a conversation that a worker refuses (RESOURCE_EXHAUSTED, UNAVAILABLE) before
         its Session tries again until its open_timeout; default on for a balanced target (set
-        it for one address that is a balancing proxy, such as Envoy)."""
+        it for one address that is a balancing proxy, such as Envoy). credentials: TLS and a
+        bearer token (None: plaintext)."""
         self.target = parse_target(target, balanced)
         self.reopen = self.target.balanced if reopen is None else reopen
         self.address = target
-        self.channel = grpc.insecure_channel(self.target.uri, options=self.target.options)
+        self.channel = open_channel(self.target, credentials)
         self.stub = characters_pb2_grpc.CharacterServiceStub(self.channel)
+        self._tokens: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._tokens_lock = threading.Lock()
+
+    def _keep_token(self, session: pb.Session) -> None:
+        """Remembers the session token of a session this client created."""
+        if session.session_token:
+            with self._tokens_lock:
+                self._tokens[session.session_id] = session.session_token
+                while len(self._tokens) > KEPT_SESSION_TOKENS:
+                    self._tokens.popitem(last=False)
+
+    def session_token(self, session_id: str) -> str:
+        """The token of a session this client created ('' if it did not)."""
+        with self._tokens_lock:
+            return self._tokens.get(session_id, "")
 
     @property
     def balanced(self) -> bool:
@@ -512,30 +568,37 @@ class CharacterClient:
 
     def create_session(self, image: bytes, prompt: str = "", seed: int = 0, limits: pb.SessionLimits | None = None, timeout: float = 180.0) -> pb.Session:
         self._direct("create_session")
-        return self.stub.CreateSession(pb.CreateSessionRequest(image=image, prompt=prompt, seed=seed, limits=limits), timeout=timeout)
+        session = self.stub.CreateSession(pb.CreateSessionRequest(image=image, prompt=prompt, seed=seed, limits=limits), timeout=timeout)
+        self._keep_token(session)
+        return session
 
-    def get_session(self, session_id: str, timeout: float = 10.0) -> pb.Session:
-        return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id), timeout=timeout)
+    def get_session(self, session_id: str, timeout: float = 10.0, session_token: str | None = None) -> pb.Session:
+        """session_token: default, the one this client received when it created the session."""
+        token = self.session_token(session_id) if session_token is None else session_token
+        return self.stub.GetSession(pb.GetSessionRequest(session_id=session_id, session_token=token), timeout=timeout)
 
-    def close_session(self, session_id: str, timeout: float = 10.0) -> pb.Session:
-        return self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=timeout)
+    def close_session(self, session_id: str, timeout: float = 10.0, session_token: str | None = None) -> pb.Session:
+        """session_token: as in get_session."""
+        token = self.session_token(session_id) if session_token is None else session_token
+        return self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id, session_token=token), timeout=timeout)
 
     def conversation(self, session_id: str = "", *, image: bytes | None = None, prompt: str = "", seed: int = 0,
                      limits: pb.SessionLimits | None = None, playout: PlayoutClock | None = None, playout_reports: bool | None = None,
                      begin_with_speech: bool = False, audio_format: pb.AudioFormat = PCM_FORMAT,
-                     open_timeout: float | None = 300.0) -> Conversation:
-        """Opens a Converse stream: of `session_id` (from create_session on this worker), or
-        a new session from `image`. playout: a PlayoutClock that plays and reports (else the
-        caller reports, or, with playout_reports=False, the worker paces by its wall clock).
-        open_timeout: how long to wait for a worker to take the session (balanced: for one
-        to be idle)."""
+                     open_timeout: float | None = 300.0, session_token: str | None = None) -> Conversation:
+        """Opens a Converse stream: of `session_id` (from create_session on this worker;
+        session_token as in get_session), or a new session from `image`. playout: a
+        PlayoutClock that plays and reports (else the caller reports, or, with
+        playout_reports=False, the worker paces by its wall clock). open_timeout: how long to
+        wait for a worker to take the session (balanced: for one to be idle)."""
         if session_id:
             self._direct("a conversation on an existing session")
+        token = self.session_token(session_id) if session_token is None else session_token
         reports = playout is not None if playout_reports is None else playout_reports
-        start = start_request(session_id=session_id, image=image, prompt=prompt, seed=seed, limits=limits, playout_reports=reports,
-                              begin_with_speech=begin_with_speech, audio_format=audio_format)
+        start = start_request(session_id=session_id, session_token=token, image=image, prompt=prompt, seed=seed, limits=limits,
+                              playout_reports=reports, begin_with_speech=begin_with_speech, audio_format=audio_format)
         return Conversation(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout,
-                            reopen=self.reopen and not session_id)
+                            reopen=self.reopen and not session_id, on_session=self._keep_token)
 
     def converse(
         self,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from characters_jax.config import add_engine_arguments
 
+CREDENTIALS_HELP = ("TLS and a bearer token for the workers: a TOML file with ca, cert, key, token_file, server_name "
+                    "(paths relative to it; all optional); without it the connection is plaintext")
+
 
 def _serve(args) -> int:
     from characters_jax.serving.logs import setup_logging
@@ -84,6 +87,13 @@ def register(subparsers) -> None:
                    help="close each client connection gracefully after this many seconds (live streams go on), so clients of "
                         "a dns:/// target re-resolve and find new workers; 0: never")
     p.add_argument("--max-image-bytes", type=int, default=4 << 20)
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve over TLS with this certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS: clients must present a certificate signed by this CA (refused in the handshake otherwise)")
+    p.add_argument("--auth-tokens", default=None, metavar="FILE",
+                   help="bearer tokens, one a line ('#' comments), re-read when the file changes: every RPC but health checks "
+                        "needs 'authorization: Bearer <token>' with one of them (UNAUTHENTICATED otherwise); needs TLS")
     p.add_argument("--state-file", default=None, help="JSON file written when ready: ports and pids")
     p.add_argument("--log-level", default="info")
     add_engine_arguments(p)
@@ -118,6 +128,7 @@ def register(subparsers) -> None:
     p.add_argument("--wait-for-worker", action="store_true",
                    help="retry a refused session (busy: RESOURCE_EXHAUSTED, draining: UNAVAILABLE) until --open-timeout; "
                         "on by default for a list or DNS target; use it for one address that is a balancing proxy (Envoy)")
+    p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP)
     p.set_defaults(func=_talk)
 
     p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")
@@ -145,4 +156,5 @@ def register(subparsers) -> None:
     p.add_argument("--state-file", default=None, help="JSON file: the page's URL and port, the worker's state")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP + " (with --server)")
     p.set_defaults(func=_view)

@@ -5,10 +5,15 @@ copies it to the host (this is where the worker waits for step n's compute, in t
 thread, while the step loop has already dispatched step n + 1) and sends it. Decoded chunks
 come back on `on_chunk(step, frames, decode_ms, diffusion_ms)`; a failed stream calls
 `on_error(message)` once.
+
+The link carries no TLS and no authentication, so it stays on this machine: a Unix socket or
+a loopback address (`require_loopback`, checked by `decode-serve --listen`, `serve
+--decoder` and `DecoderClient`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import threading
@@ -28,12 +33,30 @@ class DecoderUnavailable(Exception):
     pass
 
 
+def require_loopback(address: str, what: str = "decoder address") -> str:
+    """`address` if it stays on this machine: unix:PATH, or host:port with host a loopback IP
+    address or 'localhost'. Raises ValueError (its message starts with `what`) otherwise."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return address
+    entry = address.removeprefix("ipv4:").removeprefix("ipv6:")
+    host, _, port = entry[1:].partition("]:") if entry.startswith("[") else entry.rpartition(":")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or not port.isdigit():
+        raise ValueError(f"{what} {address!r}: the decoder link has no TLS and no authentication, so it stays on this machine: "
+                         "give unix:PATH or a loopback address (127.0.0.1:PORT, [::1]:PORT, localhost:PORT)")
+    return address
+
+
 class DecoderClient:
-    """A channel to the decoder process (host:port or unix:PATH), its message limits sized
-    for the config's chunks."""
+    """A channel to the decoder process (unix:PATH or a loopback host:port), its message
+    limits sized for the config's chunks."""
 
     def __init__(self, address: str, config: Config):
-        self.address = address
+        """Raises ValueError for an address off this machine (require_loopback)."""
+        self.address = require_loopback(address)
         self.channel = grpc.insecure_channel(address, options=decoder_channel_options(config))
         self.stub = decoder_pb2_grpc.DecoderServiceStub(self.channel)
 

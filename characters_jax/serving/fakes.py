@@ -94,7 +94,9 @@ class FakeWorker:
             client = CharacterClient(w.address)
     """
 
-    def __init__(self, config="tiny", options=None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, config="tiny", options=None, host: str = "127.0.0.1", port: int = 0, credentials=None, interceptors=()):
+        """credentials, interceptors: the server's TLS credentials and interceptors
+        (credentials.worker_transport), as WorkerServer takes them."""
         import threading
 
         from characters_jax.audio.features import AudioFrontEnd
@@ -113,7 +115,7 @@ class FakeWorker:
         self.generator = FakeGenerator(cfg)
         self.decoder = DecoderClient(f"127.0.0.1:{dport}", cfg)
         ctx = WorkerContext(cfg, self.generator, threading.Lock(), AudioFrontEnd(cfg), Timeline.from_config(cfg), self.decoder, WorkerMetrics())
-        self.server = WorkerServer(ctx, options or WorkerOptions(), host, port)
+        self.server = WorkerServer(ctx, options or WorkerOptions(), host, port, credentials=credentials, interceptors=interceptors)
         self.server.start()
         self.address = self.server.address
 

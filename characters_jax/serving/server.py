@@ -60,6 +60,13 @@ def _wait_for_stop() -> threading.Event:
 
 def run_decoder(args) -> int:
     """`decode-serve`: compile, then serve DecoderService until SIGTERM."""
+    from characters_jax.serving.decoder_link import require_loopback
+
+    try:
+        require_loopback(args.listen, "--listen")
+    except ValueError as err:
+        print(f"characters-jax decode-serve: {err}", file=sys.stderr)
+        return 2
     from characters_jax.config import load_config
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.service import start_decoder_server
@@ -184,11 +191,19 @@ def run_worker(args) -> int:
     stop = _wait_for_stop()
     t_start = time.perf_counter()
     cfg = with_engine_arguments(load_config(args.config), args)
+    from characters_jax.serving.credentials import worker_transport
+    from characters_jax.serving.decoder_link import require_loopback
+
     try:
         options = worker_options(args)
+        credentials, interceptors = worker_transport(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_tokens)
+        if args.decoder:
+            require_loopback(args.decoder, "--decoder")
     except ValueError as err:
         print(f"characters-jax serve: {err}", file=sys.stderr)
         return 2
+    log.info("transport", extra={"fields": {"tls": credentials is not None, "client_certificates": bool(args.tls_client_ca),
+                                            "bearer_tokens": bool(interceptors)}})
     # Placement first: a plan that cannot fit is refused before anything is initialised.
     placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
@@ -240,7 +255,7 @@ def run_worker(args) -> int:
     log.info("generator compiled", extra={"fields": state["warmup"]})
     decoder = DecoderClient(decoder_address, cfg)
     ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
-    worker = WorkerServer(ctx, options, args.host, args.port)
+    worker = WorkerServer(ctx, options, args.host, args.port, credentials=credentials, interceptors=interceptors)
     port = worker.port
     if port == 0:
         log.error("could not bind", extra={"fields": {"host": args.host, "port": args.port}})

@@ -5,12 +5,18 @@ A `SessionRecord` moves NOT_READY -> READY -> RUNNING -> COMPLETED | FAILED | CA
 `SessionTable` holds at most one live session (a second gets `SlotBusy` ->
 RESOURCE_EXHAUSTED) and the last finished ones for GetSession. State changes call the
 table's listener (health status and metrics); `wait_idle` lets a drain wait for the slot.
+
+Every session has a secret `token` (secrets.token_urlsafe, 256 bits) that only its creator
+receives; `find` returns a session only to a caller that presents it (compared in constant
+time), so a session id alone opens nothing. The token is left out of the record's repr.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
+import secrets
 import threading
 import time
 import uuid
@@ -48,6 +54,7 @@ class SessionRecord:
     end_reason: str = "END_REASON_UNSPECIFIED"
     steps: int = 0
     frames: int = 0
+    token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def live(self) -> bool:
@@ -68,7 +75,7 @@ class SessionTable:
         """Takes the slot with a NOT_READY session. Raises SlotBusy."""
         with self._lock:
             if self._live is not None:
-                raise SlotBusy(f"this worker is serving session {self._live.session_id} ({self._live.state}); one session per worker")
+                raise SlotBusy(f"this worker is serving another session ({self._live.state}); one session per worker")
             rec = SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000), limits)
             self._live = rec
         self._on_change(rec, None, False)
@@ -79,6 +86,13 @@ class SessionTable:
             if self._live is not None and self._live.session_id == session_id:
                 return self._live
             return self._finished.get(session_id)
+
+    def find(self, session_id: str, token: str) -> SessionRecord | None:
+        """The session `session_id` if `token` is its token, else None (the id unknown or the
+        token wrong: the caller cannot tell which)."""
+        rec = self.get(session_id) if session_id else None
+        expected = rec.token if rec is not None else secrets.token_urlsafe(32)  # compared all the same
+        return rec if hmac.compare_digest(expected.encode(), token.encode()) and rec is not None else None
 
     @property
     def live(self) -> SessionRecord | None:

@@ -18,18 +18,21 @@ import grpc
 from characters_jax.audio.pcm import read_wav
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.client import CharacterClient
+from characters_jax.serving.credentials import ClientCredentials, load_client_credentials
 from characters_jax.serving.mp4 import write_mp4
 
 _ENC = {"s16le": pb.AudioFormat.PCM_S16LE}
 
 
 def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "", seed: int = 0, realtime: bool = True, progress=sys.stderr,
-             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0, wait_for_worker: bool | None = None) -> dict:
+             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0, wait_for_worker: bool | None = None,
+             credentials: ClientCredentials | None = None) -> dict:
     """Runs a session and writes `out_path`. Returns the summary dict. Raises grpc.RpcError.
-    wait_for_worker: retry a refused session until open_timeout (default: for a balanced target)."""
+    wait_for_worker: retry a refused session until open_timeout (default: for a balanced target).
+    credentials: TLS and a bearer token (None: plaintext)."""
     image = pathlib.Path(image_path).read_bytes()
     samples, fmt = read_wav(str(audio_path))
-    with CharacterClient(target, reopen=wait_for_worker) as client:
+    with CharacterClient(target, reopen=wait_for_worker, credentials=credentials) as client:
         t0 = time.monotonic()
         opened = {}
 
@@ -67,8 +70,9 @@ def print_summary(summary: dict, file=sys.stdout) -> None:
 def talk_command(args) -> int:
     limits = pb.SessionLimits(max_duration_s=args.max_duration or 0, idle_timeout_s=args.idle_timeout or 0)
     try:
+        credentials = load_client_credentials(args.credentials) if args.credentials else None
         summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, seed=args.seed, realtime=not args.fast,
-                           limits=limits, open_timeout=args.open_timeout, wait_for_worker=args.wait_for_worker or None)
+                           limits=limits, open_timeout=args.open_timeout, wait_for_worker=args.wait_for_worker or None, credentials=credentials)
     except grpc.RpcError as err:
         print(f"characters-jax talk: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

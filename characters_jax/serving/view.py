@@ -26,6 +26,7 @@ import time
 
 from aiohttp import web
 
+from characters_jax.serving.credentials import load_client_credentials
 from characters_jax.serving.images import ImageError, load_reference_image
 from characters_jax.serving.view_bridge import BridgeOptions, ViewerBridge
 from characters_jax.serving.view_ice import LOOPBACK, OfferError
@@ -201,7 +202,12 @@ async def _run_view(args) -> int:
         clip = demo_clip(checkpoint)
         image = pathlib.Path(args.image or (clip and clip["portrait"]) or assets.PORTRAIT).read_bytes()
         load_reference_image(image, 64, 64)
-        options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks)
+        if args.credentials and not args.server:
+            raise ValueError("--credentials: for a worker given with --server (the worker started here is plaintext, on loopback)")
+        credentials = load_client_credentials(args.credentials) if args.credentials else None
+        if credentials is not None and credentials.certificate_problem():
+            raise ValueError(f"--credentials: {credentials.certificate_problem()}")
+        options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks, credentials=credentials)
     except (OSError, ImageError, ValueError) as err:
         print(f"characters-jax view: {err}", file=sys.stderr)
         return 2

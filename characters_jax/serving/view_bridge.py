@@ -23,6 +23,7 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from characters_jax.serving.credentials import ClientCredentials
 from characters_jax.serving.view_ice import LOOPBACK, OfferError, gather_on, loopback_offer
 from characters_jax.serving.view_link import ChunkEvent, SpeechNote, WorkerLink
 from characters_jax.serving.view_media import CharacterAudioTrack, CharacterVideoTrack, MicResampler, Playout, Upsampler
@@ -37,6 +38,7 @@ class BridgeOptions:
     mic_timeout_s: float = 0.5  # no microphone audio for this long: the page is gone
     connect_timeout_s: float = 10.0  # from the answer to the first microphone packet
     stats_period_s: float = 0.5  # playout figures to the page
+    credentials: ClientCredentials | None = None  # TLS and a bearer token for the worker (None: plaintext)
 
     def __post_init__(self):
         if self.audio_rate <= 0 or self.audio_rate % 16000:
@@ -62,7 +64,7 @@ class ViewerBridge:
     def __init__(self, worker_address: str, options: BridgeOptions, on_closed=None):
         self.options = options
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))  # no STUN: nothing leaves the host
-        self.link = WorkerLink(worker_address)
+        self.link = WorkerLink(worker_address, options.credentials)
         self.playout = None
         self.channel = None
         self.on_closed = on_closed

@@ -26,6 +26,7 @@ import numpy as np
 
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.client import AsyncConversation, aio_channel, start_request
+from characters_jax.serving.credentials import ClientCredentials
 
 SAMPLE_RATE = 16000
 
@@ -88,9 +89,10 @@ def _link_error(err: grpc.aio.AioRpcError) -> LinkError:
 
 
 class WorkerLink:
-    def __init__(self, target: str):
+    def __init__(self, target: str, credentials: ClientCredentials | None = None):
+        """credentials: TLS and a bearer token for the worker (None: plaintext)."""
         self.target = target
-        self._channel, t = aio_channel(target)
+        self._channel, t = aio_channel(target, credentials=credentials)
         self._balanced = t.balanced
         self._conv: AsyncConversation | None = None
         self._messages = None

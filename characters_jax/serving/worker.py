@@ -114,7 +114,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             self._refuse(context, grpc.StatusCode.UNAVAILABLE, "this worker is draining (shutting down); open the session on another worker")
         busy = self.table.live
         if busy is not None:
-            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving session {busy.session_id} ({busy.state}); one session per worker")
+            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving another session ({busy.state}); one session per worker")
         try:
             rgb = load_reference_image(request.image, cfg.video.width, cfg.video.height, self.options.image_limits)
             limits = resolve_limits(request.limits, self.options)
@@ -155,7 +155,13 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         timer = threading.Timer(self.options.ready_timeout_s, self._expire_ready, args=(rec,))
         timer.daemon = True
         timer.start()
-        return self._proto(rec)
+        return self._owner_proto(rec)
+
+    def _owner_proto(self, rec: SessionRecord) -> pb.Session:
+        """The Session for its creator: the only reply that carries the session token."""
+        reply = self._proto(rec)
+        reply.session_token = rec.token
+        return reply
 
     def _expire_ready(self, rec: SessionRecord) -> None:
         # Only a session still READY expires: a RUNNING one belongs to its LiveSession.
@@ -163,17 +169,19 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         if self.table.transition(rec, "CANCELLED", grpc.StatusCode.DEADLINE_EXCEEDED, msg, "READY_TIMEOUT", only_from="READY"):
             log.info("ready session expired", extra={"fields": {"session_id": rec.session_id}})
 
-    def _lookup(self, session_id: str, context) -> SessionRecord:
-        rec = self.table.get(session_id) if session_id else None
+    def _lookup(self, session_id: str, token: str, context) -> SessionRecord:
+        """The session, for the holder of its token; NOT_FOUND alike for an unknown id and a
+        missing or wrong token."""
+        rec = self.table.find(session_id, token)
         if rec is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id!r} not found on this worker")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"session {session_id!r} not found on this worker, or its session_token is missing or wrong")
         return rec
 
     def GetSession(self, request, context):
-        return self._proto(self._lookup(request.session_id, context))
+        return self._proto(self._lookup(request.session_id, request.session_token, context))
 
     def CloseSession(self, request, context):
-        rec = self._lookup(request.session_id, context)
+        rec = self._lookup(request.session_id, request.session_token, context)
         self.end_session(rec, "closed by the client", "CLOSED")
         return self._proto(rec)
 
@@ -224,7 +232,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         if which == "create":
             rec = self._open(start.create, context)
         elif which == "session_id" and start.session_id:
-            rec = self._lookup(start.session_id, context)
+            rec = self._lookup(start.session_id, start.session_token, context)
         else:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: needs a session_id (from CreateSession on this worker) or `create` with an image")
         live = LiveSession(rec, self.table, self.ctx, StreamOptions(start.playout_reports, start.begin_with_speech), self.options)
@@ -238,7 +246,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             gone()
             return
         log.info("session running", extra=live.fields(playout_reports=start.playout_reports, begin_with_speech=start.begin_with_speech, lead_chunks=self.options.lead_chunks))
-        yield pb.ConverseResponse(session=self._proto(rec))
+        yield pb.ConverseResponse(session=self._owner_proto(rec) if which == "create" else self._proto(rec))
         while True:
             item = live.out.get()
             if item[0] == "msg":
