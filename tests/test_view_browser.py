@@ -30,6 +30,7 @@ import wave
 
 import numpy as np
 import pytest
+from PIL import Image
 
 aiohttp = pytest.importorskip("aiohttp", reason="the viewer needs aiohttp and aiortc: pip install aiohttp aiortc (see pyproject's view extra)")
 pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiortc (see pyproject's view extra)")
@@ -232,14 +233,21 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
         await browser.cmd("Page.navigate", url=state["url"] + "?echo_cancellation=0")  # the clicks reach the gateway unprocessed
         await browser.wait_for("document.readyState === 'complete' && !!window.viewer", 20, "the page did not load")
 
-        # Bad input: a text file as the reference image gets a clear message in the page.
+        # Bad input: a text file, then a DDS file, as the reference image: a clear message beside the upload.
+        image_error = "document.getElementById('image-error').hidden ? '' : document.getElementById('image-error').textContent"
         not_image = tmp / "notes.txt"
         not_image.write_text("these are not the pixels of a face\n")
         await browser.choose_file("#image-file", not_image)
-        message = await browser.wait_for("document.getElementById('message').hidden ? '' : document.getElementById('message').textContent", 10,
-                                         "no message after a non-image upload")
+        message = await browser.wait_for(image_error, 10, "no message after a non-image upload")
         assert "notes.txt" in message and "cannot be the reference image" in message and "not a readable image" in message, message
         report["non_image_message"] = message
+        dds = tmp / "face.dds"
+        Image.new("RGB", (16, 16), (200, 150, 120)).save(dds, format="DDS")
+        await browser.choose_file("#image-file", dds)
+        message = await browser.wait_for(f"(() => {{ const m = {image_error}; return m.includes('face.dds') ? m : ''; }})()", 10,
+                                         "no message after a DDS upload")
+        assert "DDS files are not accepted" in message, message
+        report["dds_message"] = message
 
         t0 = time.monotonic()
         while json.loads(state_file.read_text())["worker"] != "ready":
@@ -307,8 +315,6 @@ async def _session_in_browser(tmp: pathlib.Path) -> dict:
 
 
 def test_view_live_in_headless_chromium(tmp_path):
-    from PIL import Image
-
     t0 = time.monotonic()
     r = asyncio.run(_session_in_browser(tmp_path))
     r["test_s"] = round(time.monotonic() - t0, 1)

@@ -65,9 +65,10 @@ async def _start_gateway(address: str):
 
 
 async def _offer(http, url: str, pc, **extra) -> tuple[int, dict]:
+    """POSTs the page's offer as the page does: JSON, with the page's Origin."""
     await gather_on(pc)
     await pc.setLocalDescription(await pc.createOffer())
-    async with http.post(url + "/offer", json={"sdp": pc.localDescription.sdp, "type": "offer", **extra}) as r:
+    async with http.post(url + "/offer", json={"sdp": pc.localDescription.sdp, "type": "offer", **extra}, headers={"Origin": url}) as r:
         return r.status, await r.json()
 
 
@@ -147,7 +148,7 @@ def test_bad_offers_get_clear_messages(worker):
         gateway, server, url = await _start_gateway(worker.address)
         out = {}
         async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/offer", data=b"{not json") as r:
+            async with http.post(url + "/offer", data=b"{not json", headers={"Origin": url, "Content-Type": "application/json"}) as r:
                 out["json"] = (r.status, await r.json())
             async with http.post(url + "/image", data=b"a line of text, not an image") as r:
                 out["image"] = (r.status, await r.json())
@@ -158,7 +159,7 @@ def test_bad_offers_get_clear_messages(worker):
             pc.addTransceiver("audio")
             pc.addTransceiver("video")
             await pc.setLocalDescription(await pc.createOffer())  # aiortc's own gathering: no loopback candidate
-            async with http.post(url + "/offer", json={"sdp": pc.localDescription.sdp, "type": "offer"}) as r:
+            async with http.post(url + "/offer", json={"sdp": pc.localDescription.sdp, "type": "offer"}, headers={"Origin": url}) as r:
                 out["no_loopback"] = (r.status, await r.json())
             await pc.close()
         server.cancel()

@@ -23,12 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
 from characters_jax.serving.credentials import load_client_credentials
 from characters_jax.serving.images import ImageError, load_reference_image
 from characters_jax.serving.view_bridge import BridgeOptions, ViewerBridge
+from characters_jax.serving.view_guard import RouteRules, check_request
 from characters_jax.serving.view_ice import LOOPBACK, OfferError
 from characters_jax.serving.view_link import LinkError
 
@@ -88,18 +90,22 @@ class RemoteWorker:
 
 # -- the web gateway ----------------------------------------------------------------------------
 _LINK_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 409, "FAILED_PRECONDITION": 409, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# Beyond a good Host and no foreign Origin (view_guard.py): the offer opens a session.
+_ROUTE_RULES = {"/offer": RouteRules(origin_required=True, json_body=True)}
 
 
 class Gateway:
-    """The aiohttp application: the page, its files, /status, /image and /offer."""
+    """The aiohttp application: the page, its files, /status, /image and /offer. Every
+    request passes view_guard's checks (Host; Origin and content type where it changes state)."""
 
     def __init__(self, worker, options: BridgeOptions, reference_image: bytes, prompt: str):
         self.worker, self.options = worker, options
         self.reference_image, self.prompt = reference_image, prompt
         self.bridge: ViewerBridge | None = None
+        self._decoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="view-image")  # uploads, off the event loop
 
     def app(self):
-        app = web.Application(client_max_size=MAX_OFFER_BYTES)
+        app = web.Application(client_max_size=MAX_OFFER_BYTES, middlewares=[self._guard])
         app.router.add_get("/", self._index)
         app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/reference", self._reference)
@@ -107,7 +113,16 @@ class Gateway:
         app.router.add_post("/image", self._image)
         app.router.add_post("/offer", self._offer)
         app.on_shutdown.append(self._on_shutdown)
+        app.on_cleanup.append(self._on_cleanup)
         return app
+
+    @web.middleware
+    async def _guard(self, request, handler):
+        refusal = check_request(request.method, request.headers, request.transport and request.transport.get_extra_info("sockname"),
+                                _ROUTE_RULES.get(request.path, RouteRules()))
+        if refusal is not None:
+            return web.json_response({"error": refusal.message}, status=refusal.status)
+        return await handler(request)
 
     async def _index(self, request):
         return web.FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-store"})
@@ -127,10 +142,14 @@ class Gateway:
         return web.json_response({"worker": w.state, "address": w.address, "message": w.message, "busy": self.bridge is not None})
 
     async def _image(self, request):
-        """Checks an uploaded reference image as the worker will (decode, size limits)."""
-        data = await request.read()
+        """Checks an uploaded reference image as the worker will (format, decode, size limits),
+        in a thread. 400 with {"error": message} for an image the worker would refuse."""
         try:
-            load_reference_image(data, 64, 64)
+            data = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response({"error": f"image: over the limit of {MAX_OFFER_BYTES} bytes for an upload"}, status=413)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._decoding, load_reference_image, data, 64, 64)
         except ImageError as err:
             return web.json_response({"error": str(err)}, status=400)
         return web.json_response({"ok": True, "bytes": len(data)})
@@ -165,6 +184,9 @@ class Gateway:
     async def _on_shutdown(self, app) -> None:
         if self.bridge is not None:
             await self.bridge.close("the gateway is shutting down")
+
+    async def _on_cleanup(self, app) -> None:
+        self._decoding.shutdown(wait=False, cancel_futures=True)
 
 
 async def serve_gateway(gateway: Gateway, port: int, started=None) -> None:
@@ -201,7 +223,7 @@ async def _run_view(args) -> int:
             raise FileNotFoundError(f"--checkpoint: weights directory {checkpoint} does not exist")
         clip = demo_clip(checkpoint)
         image = pathlib.Path(args.image or (clip and clip["portrait"]) or assets.PORTRAIT).read_bytes()
-        load_reference_image(image, 64, 64)
+        await asyncio.to_thread(load_reference_image, image, 64, 64)
         if args.credentials and not args.server:
             raise ValueError("--credentials: for a worker given with --server (the worker started here is plaintext, on loopback)")
         credentials = load_client_credentials(args.credentials) if args.credentials else None

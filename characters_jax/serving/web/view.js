@@ -56,6 +56,21 @@
     m.hidden = !text;
   }
 
+  function showImageError(text) {
+    const e = $("image-error");
+    e.textContent = text;
+    e.hidden = !text;
+  }
+
+  // The gateway answers JSON ({error: ...} when it refuses); anything else is named by its status.
+  async function readJson(resp) {
+    try {
+      return await resp.json();
+    } catch (err) {
+      return { error: `the gateway answered HTTP ${resp.status} ${resp.statusText}`.trim() };
+    }
+  }
+
   function logEvent(text) {
     const li = document.createElement("li");
     li.textContent = `${new Date().toLocaleTimeString()}  ${text}`;
@@ -106,12 +121,16 @@
     const file = ev.target.files[0];
     ev.target.value = "";
     if (!file) return;
-    const resp = await fetch("/image", { method: "POST", body: file });
-    const body = await resp.json();
-    if (!resp.ok) {
-      showMessage(`"${file.name}" cannot be the reference image: ${body.error}`);
+    let body;
+    try {
+      const resp = await fetch("/image", { method: "POST", body: file });
+      body = await readJson(resp);
+      if (!resp.ok) throw new Error(body.error || `the gateway answered HTTP ${resp.status}`);
+    } catch (err) {
+      showImageError(`"${file.name}" cannot be the reference image: ${err.message || err}`);
       return;
     }
+    showImageError("");
     referenceImage = await readAsBase64(file);
     $("reference").src = URL.createObjectURL(file);
     showMessage(`reference image: ${file.name}`, "info");
@@ -346,8 +365,8 @@
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify({ sdp: pc.localDescription.sdp, type: "offer", image: referenceImage, prompt: $("prompt").value }),
       });
-      const body = await resp.json();
-      if (!resp.ok) throw new Error(body.error || `the gateway answered ${resp.status}`);
+      const body = await readJson(resp);
+      if (!resp.ok) throw new Error(body.error || `the gateway answered HTTP ${resp.status}`);
       c.marks.answered = performance.now() - c.tConnect;
       await pc.setRemoteDescription(body);
       $("video").requestVideoFrameCallback(onVideoFrame);
@@ -382,6 +401,7 @@
     if (!c) return null;
     return {
       state: c.state, closedReason: c.closedReason, session: c.session, message: $("message").hidden ? "" : $("message").textContent,
+      imageError: $("image-error").hidden ? "" : $("image-error").textContent,
       tConnect: c.tConnect, tFirstFrame: c.tFirstFrame, firstFrameMs: c.tFirstFrame === null ? null : c.tFirstFrame - c.tConnect,
       frameIndexFrom: c.frameIndexFrom, presented: c.presented, stats: c.stats, playout: c.playout,
       micOnsets: c.micOnsets, voiceOnsets: c.voiceOnsets, frameOnsets: c.frameOnsets,
