@@ -61,7 +61,8 @@ def register(subparsers) -> None:
                         "or 'auto' ($JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/characters-jax/xla)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
-    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0: any, -1: off)")
+    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics and liveness /healthz port (0: any, -1: off)")
+    p.add_argument("--metrics-host", default=None, help="address the metrics port binds (default: --host)")
     p.add_argument("--decoder", default=None, help="address of a running decoder (host:port or unix:PATH); default: start and supervise one")
     p.add_argument("--decoder-device", default=None,
                    help="GPU of the started decoder: a visible index, a UUID, or 'cpu'; default: a GPU of its own "

@@ -57,6 +57,7 @@ class LiveSession:
             tl, fe.window, lead=options.lead_chunks, playout_reports=stream.playout_reports, begin_with_speech=stream.begin_with_speech,
             limits=rec.limits, max_queued_samples=int(options.max_queued_audio_s * tl.sample_rate),
             history_samples=fe.spec.window_samples + tl.max_step_samples, emit=self._emit)
+        ctx.metrics.follow_conversation(self.conv)
         self._lock = threading.Lock()
         self._finished = False
         self._ending: End | None = None
@@ -108,6 +109,7 @@ class LiveSession:
         if isinstance(item, Chunk):
             self.out.put(("chunk", item.message, item.frames, item.epoch))
         else:
+            self.ctx.metrics.speech_note(item, self.ctx.timeline.sample_rate)
             self.out.put(("msg", speech_event(item)))
 
     # -- reader ----------------------------------------------------------------------------
@@ -197,6 +199,7 @@ class LiveSession:
         now, period_ms = sent_at[0]
         if self._first_out is None:
             self._first_out = now
+            self.ctx.metrics.first_frame_seconds.observe(now - self.conv.started_at)
         self._frames += len(frames)
         self._steps += 1
         self.rec.steps, self.rec.frames = self._steps, self._frames

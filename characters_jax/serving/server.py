@@ -238,6 +238,7 @@ def run_worker(args) -> int:
 
         def on_start(pid, restarts):
             state.update(decoder_pid=pid, decoder_restarts=restarts)
+            metrics.decoder_started(restarts)
             if state.get("port"):
                 _write_json(args.state_file, state)
 
@@ -254,13 +255,19 @@ def run_worker(args) -> int:
     state["warmup"] = _warmup(generator, frontend, cfg, metrics)
     log.info("generator compiled", extra={"fields": state["warmup"]})
     decoder = DecoderClient(decoder_address, cfg)
+    metrics.watch_decoder(decoder.channel)
     ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
     worker = WorkerServer(ctx, options, args.host, args.port, credentials=credentials, interceptors=interceptors)
     port = worker.port
     if port == 0:
         log.error("could not bind", extra={"fields": {"host": args.host, "port": args.port}})
         return 1
-    metrics_port = metrics.serve_http(args.metrics_port) if args.metrics_port >= 0 else None
+    from characters_jax.serving.liveness import GrpcLiveness
+
+    liveness = GrpcLiveness(worker.loopback_target, worker.limits.liveness_timeout_s)  # /healthz: the gRPC server answers
+    metrics_host = args.metrics_host or args.host
+    metrics_http = metrics.serve_http(args.metrics_port, metrics_host, liveness) if args.metrics_port >= 0 else None
+    metrics_port = metrics_http.port if metrics_http is not None else None
 
     log.info("waiting for the decoder", extra={"fields": {"decoder": decoder_address}})
     while not decoder.wait_ready(1.0):
@@ -275,7 +282,7 @@ def run_worker(args) -> int:
         state["decoder_memory"] = decoder_memory
         metrics.set_device_memory({f"decoder_{k}": v for k, v in decoder_memory.items()})
     worker.start()
-    state.update(port=port, metrics_port=metrics_port, worker_id=worker.options.worker_id)
+    state.update(port=port, metrics_port=metrics_port, metrics_host=metrics_host, worker_id=worker.options.worker_id)
     warm = state["warmup"]
     state["startup_s"] = round(time.perf_counter() - t_start, 2)
     _write_json(args.state_file, state)
@@ -286,13 +293,20 @@ def run_worker(args) -> int:
             "note": "sessions stream at this rate, below the video's fps: playout will stall"}})
 
     stop.wait()
+    from characters_jax.serving.shutdown import SLACK_S, exit_after
+
+    exit_after(options.drain_timeout_s + SLACK_S)  # whatever a stream does, the process ends
     log.info("draining", extra={"fields": {"drain_timeout_s": options.drain_timeout_s}})
     outcome = worker.drain()
     log.info("drained", extra={"fields": {"outcome": outcome}})
     worker.stop(grace=3)
     if supervisor is not None:
         supervisor.stop()
+    metrics.unwatch_decoder()
     decoder.close()
+    liveness.close()
+    if metrics_http is not None:
+        metrics_http.close()
     if tmpdir is not None:
         tmpdir.cleanup()
     log.info("worker stopped")

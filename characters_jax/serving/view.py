@@ -49,7 +49,7 @@ class LocalWorker:
         self.state_file = pathlib.Path(self._tmp.name) / "worker.json"
         self.log_path = log_path
         argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", config, "--host", LOOPBACK, "--port", "0",
-                "--metrics-port", "0", "--state-file", str(self.state_file)]
+                "--metrics-host", LOOPBACK, "--metrics-port", "0", "--state-file", str(self.state_file)]
         if checkpoint:
             argv += ["--checkpoint", checkpoint]
         self._log = open(log_path, "w")

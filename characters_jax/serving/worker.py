@@ -214,10 +214,9 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
 
     # -- the stream ------------------------------------------------------------------------
     def Converse(self, request_iterator, context):
-        try:
-            first = next(request_iterator)
-        except StopIteration:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Converse: the stream was empty; the first request must be `start`")
+        from characters_jax.serving.request_reader import first_request
+
+        first = first_request(request_iterator, context)  # within the stream's first-request deadline
         kind = first.WhichOneof("event")
         if kind != "start":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"Converse: {kind or 'a request with no event'} outside a session: "
