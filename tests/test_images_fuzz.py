@@ -405,6 +405,8 @@ def test_every_base_image_decodes():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning:PIL.TiffImagePlugin")  # Pillow alone, reading swapped-in TIFF headers
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency")  # Pillow alone, converting to RGB directly
+@pytest.mark.filterwarnings("ignore:Invalid APNG")  # Pillow's notice for a damaged APNG it reads as a PNG
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_mutated_images_are_images_or_clear_errors_and_never_unknown_through_the_worker(stubs):
     stub, health = stubs
