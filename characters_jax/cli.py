@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from characters_jax.serving.supervisor import die_with_parent
+
+    die_with_parent()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -1,13 +1,18 @@
 """Keeps a child process running: restarts it when it exits, until stopped.
 
-Used by the worker for its decoder process. The child gets PR_SET_PDEATHSIG so that it
-never outlives the worker, even when the worker is killed hard.
+Used by the worker for its decoder process. The child never outlives the worker, even
+when the worker is killed hard: it is started without running Python code between fork and
+exec (the parent holds JAX's threads, and a fork of a multithreaded process may deadlock),
+with the supervising thread's id and its process id in its environment; the child's first
+act (`die_with_parent`, called by the CLI) is to ask the kernel for SIGTERM when that parent
+goes (PR_SET_PDEATHSIG), then to check that the parent is still the one that started it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -17,11 +22,23 @@ from typing import Callable, Sequence
 log = logging.getLogger("characters_jax.serving.supervisor")
 
 
-def _die_with_parent() -> None:
+PARENT_ENV = "CHARACTERS_PARENT_PID"  # set in a supervised child's environment: the pid it must not outlive
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(environ=os.environ) -> None:
+    """In a supervised child: SIGTERM when the supervising parent exits. If the parent is
+    already gone (it died between the spawn and this call), exits at once. No-op for a
+    process started by hand (no PARENT_ENV)."""
+    expected = environ.get(PARENT_ENV)
+    if not expected:
+        return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
-        pass
+        return
+    if os.getppid() != int(expected):
+        os._exit(0)
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
@@ -66,7 +83,8 @@ class Supervisor:
         delay = self.restart_delay_s
         while not self._stop.is_set():
             t0 = time.monotonic()
-            self._proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
+            env = {**(os.environ if self.env is None else self.env), PARENT_ENV: str(os.getpid())}
+            self._proc = subprocess.Popen(self.argv, env=env)
             log.info("child started", extra={"fields": {"child": self.name, "child_pid": self._proc.pid, "restarts": self.restarts}})
             if self.on_start:
                 self.on_start(self._proc.pid, self.restarts)
