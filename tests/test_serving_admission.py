@@ -1,0 +1,230 @@
+"""No number of idle streams starves a worker: admission limits, deadlines, pools of their own.
+
+- RequestReader: a read with a deadline, in sync gRPC (one thread per stream, reading only
+  when asked); first_request's statuses.
+- Admission: a counter with a limit; a refused RPC's message names the limit.
+- 100 idle Converse streams and 100 idle reflection streams against a worker process (the
+  fake model; deadlines of 3 s): a health Check every 50 ms answers within 100 ms
+  throughout; every stream ends RESOURCE_EXHAUSTED (over its limit) or DEADLINE_EXCEEDED
+  (admitted, idle past its deadline), each with a message; then a real session still runs.
+"""
+
+import statistics
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from characters_jax.protos_gen import characters_pb2 as pb
+from characters_jax.protos_gen import characters_pb2_grpc
+from characters_jax.serving.admission import Admission, RpcLimits
+from characters_jax.serving.client import CharacterClient
+from characters_jax.serving.request_reader import RequestReader, first_request
+from serving_harness import png, speech
+from test_serving_health import Aborted, FakeContext, start_worker_process
+
+IDLE_STREAMS = 100
+DEADLINE_S = 3.0
+HEALTH_BOUND_S = 0.100
+LIMITS = RpcLimits()
+
+
+class Feed:
+    """A request iterator fed by the test: put(item), end(), fail(error); next() blocks."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._items: list = []
+
+    def put(self, item):
+        with self._cond:
+            self._items.append(("item", item))
+            self._cond.notify_all()
+
+    def end(self):
+        with self._cond:
+            self._items.append(("end", None))
+            self._cond.notify_all()
+
+    def fail(self, err):
+        with self._cond:
+            self._items.append(("error", err))
+            self._cond.notify_all()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        with self._cond:
+            self._cond.wait_for(lambda: self._items)
+            kind, value = self._items.pop(0)
+        if kind == "end":
+            raise StopIteration
+        if kind == "error":
+            raise value
+        return value
+
+
+def test_a_read_with_a_deadline_times_out_and_keeps_its_read():
+    feed = Feed()
+    reader = RequestReader(feed)
+    with pytest.raises(TimeoutError):
+        reader.next_within(0.05)
+    feed.put("a")
+    assert reader.next_within(10) == "a"  # the read under way delivers it
+    feed.put("b")
+    assert next(reader) == "b"  # plain iteration reads directly once no read is under way
+    reader.stop()
+    feed.fail(ValueError("gone"))
+    with pytest.raises(ValueError, match="gone"):
+        reader.next_within(10)  # a new reader thread after stop()
+    feed2 = Feed()
+    feed2.end()
+    with pytest.raises(StopIteration):
+        RequestReader(feed2).next_within(10)
+
+
+def test_first_request_statuses():
+    feed = Feed()
+    feed.put("start")
+    assert first_request(RequestReader(feed, first_timeout_s=5), FakeContext()) == "start"
+    with pytest.raises(Aborted) as e:
+        first_request(RequestReader(Feed(), first_timeout_s=0.05), FakeContext())
+    assert e.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED and "no first request within 0.05 s" in e.value.args[1]
+    empty = Feed()
+    empty.end()
+    with pytest.raises(Aborted) as e:
+        first_request(empty, FakeContext())
+    assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT and "the stream was empty" in e.value.args[1]
+
+
+def test_admission_counts_up_to_its_limit():
+    a = Admission("CharacterService RPCs", 2, "RpcLimits.max_character_rpcs")
+    assert a.enter() and a.enter() and not a.enter()
+    a.leave()
+    assert a.enter() and a.admitted == 2
+    assert "at most 2 at once (RpcLimits.max_character_rpcs)" in a.refusal
+    with pytest.raises(ValueError, match="max_character_rpcs"):
+        RpcLimits(max_character_rpcs=0)
+
+
+class IdleRequests:
+    """A request iterator that sends nothing until released (an idle client)."""
+
+    def __init__(self, release: threading.Event):
+        self._release = release
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._release.wait()
+        raise StopIteration
+
+
+def test_idle_reflection_streams_starve_health_on_a_shared_pool():
+    """Negative control: stock health and reflection sharing one pool of 4 threads (as the
+    worker's 16 did): 4 idle reflection streams hold every thread and a Check times out."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection((reflection.SERVICE_NAME,), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            assert check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            info = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo
+            calls = [info(IdleRequests(release)) for _ in range(4)]
+            with pytest.raises(grpc.RpcError) as e:
+                check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for c in calls:
+                c.cancel()
+    finally:
+        release.set()
+        server.stop(0).wait(5)
+
+
+def outcome(call) -> tuple[grpc.StatusCode, str]:
+    """How a streaming call ended (waits for it)."""
+    return call.code(), call.details() or ""
+
+
+def test_idle_streams_never_starve_health_and_are_refused_or_timed_out(tmp_path):
+    proc, port, log_path = start_worker_process(tmp_path, "--servicer", "worker", "--first-request-timeout", str(DEADLINE_S),
+                                                "--reflection-idle-timeout", str(DEADLINE_S))
+    target = f"127.0.0.1:{port}"
+    release = threading.Event()
+    latencies: list[float] = []
+    probing = threading.Event()
+
+    def probe():
+        with grpc.insecure_channel(target) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            check(health_pb2.HealthCheckRequest(service=""), timeout=10)  # connected before the streams open
+            probing.set()
+            while not release.is_set():
+                t = time.monotonic()
+                check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                latencies.append(time.monotonic() - t)
+                release.wait(max(0.0, 0.05 - (time.monotonic() - t)))
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    streams, reflections = grpc.insecure_channel(target), grpc.insecure_channel(target)
+    try:
+        assert probing.wait(30)
+        converse = characters_pb2_grpc.CharacterServiceStub(streams).Converse
+        info = reflection_pb2_grpc.ServerReflectionStub(reflections).ServerReflectionInfo
+        t0 = time.monotonic()
+        calls = [converse(IdleRequests(release)) for _ in range(IDLE_STREAMS)]
+        calls += [info(IdleRequests(release)) for _ in range(IDLE_STREAMS)]
+        outcomes = [outcome(c) for c in calls]  # every stream ends on its own, the idle ones at their deadline
+        ended_s = time.monotonic() - t0
+        release.set()
+        prober.join(10)
+        assert not prober.is_alive()
+        converse_out, reflection_out = outcomes[:IDLE_STREAMS], outcomes[IDLE_STREAMS:]
+        for outs, limit, knob, idle in ((converse_out, LIMITS.max_character_rpcs, "RpcLimits.max_character_rpcs", "no first request within"),
+                                        (reflection_out, LIMITS.max_reflection_streams, "RpcLimits.max_reflection_streams", "server reflection: no request for")):
+            codes = [c for c, _ in outs]
+            assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, set(codes)
+            assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= limit and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+            for code, details in outs:
+                needle = f"at most {limit} at once ({knob})" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else f"{idle} {DEADLINE_S:g} s"
+                assert needle in details, (code, details)
+        p50, worst = statistics.median(latencies), max(latencies)
+        print(f"\n{IDLE_STREAMS} idle Converse + {IDLE_STREAMS} idle reflection streams, all ended in {ended_s:.2f} s: "
+              f"health Check p50 {p50 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms over {len(latencies)} Checks; Converse "
+              f"{sum(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c, _ in converse_out)} refused, "
+              f"{sum(c == grpc.StatusCode.DEADLINE_EXCEEDED for c, _ in converse_out)} timed out; reflection "
+              f"{sum(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c, _ in reflection_out)} refused, "
+              f"{sum(c == grpc.StatusCode.DEADLINE_EXCEEDED for c, _ in reflection_out)} timed out")
+        assert len(latencies) >= 20 and worst < HEALTH_BOUND_S, (p50, worst)
+
+        listing = info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        assert "characters.v1.CharacterService" in {s.name for r in listing for s in r.list_services_response.service}
+        with CharacterClient(target) as client:
+            res = client.converse(None, speech(1.0), image=png(), realtime=False, open_timeout=30)
+        assert res.final_event.state == pb.COMPLETED and len(res.chunks) > 0
+    finally:
+        release.set()
+        streams.close()
+        reflections.close()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except Exception:
+            proc.kill()
+        assert proc.returncode == 0, log_path.read_text()[-3000:]
