@@ -11,6 +11,7 @@ import io
 import json
 import struct
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -91,8 +92,6 @@ def _broken_png() -> bytes:
     idat = data[i + 4 : i + 4 + n]
 
     def chunk(kind, payload):
-        import zlib
-
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
     return data[: i - 4] + chunk(b"IDAT", idat[: n // 2]) + chunk(b"ID\x00T", idat[n // 2 :]) + chunk(b"IEND", b"")
