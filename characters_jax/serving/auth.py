@@ -25,6 +25,8 @@ import threading
 
 import grpc
 
+from characters_jax.serving.rpc_handlers import with_behavior
+
 log = logging.getLogger("characters_jax.serving.auth")
 
 MIN_TOKEN_CHARS = 16
@@ -111,15 +113,12 @@ def bearer_token(metadata) -> str | None:
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+    """A handler of the same kind (and pool) as `handler` that ends the call UNAUTHENTICATED."""
 
-    def refuse(_request, context):
+    def refuse(_request, context, *_send_response_callback):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return with_behavior(handler, refuse)
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
