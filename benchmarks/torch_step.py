@@ -52,8 +52,11 @@ device time (GEMMs, attention, elementwise, cache write, all-reduce, embeddings 
 and writes ``torch_step_<config>_tp<N>.json`` and ``.md`` under --out. Both steps take
 ~56 GB of FP8 weights at tp=1; to fit them one after the other on one GPU, this script sets
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` before JAX loads (JAX then grows its pool as
-needed instead of taking 75% of the GPU) and clears JAX's backends before torch allocates;
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` set by the caller is left as it is. ``--side jax`` /
+needed instead of taking it whole) and clears JAX's backends before torch allocates. The
+JAX side's pool limit is planned (``serving.placement.size_generator_pool``: the GPU's free
+memory less a reserve; ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set by the caller is left as it
+is) and its programs are compiled before its weights exist, so XLA's autotuning has the
+whole pool. ``--side jax`` /
 ``--side torch`` runs one side alone. ``--share N`` cuts the model to one GPU's share of
 tp = N (num_heads / N, mlp_dim / N, full residual width, no all-reduce), run at tp = 1.
 ``--tp N`` runs JAX on N GPUs in this process, then the torch step in N spawned processes.
@@ -1048,10 +1051,21 @@ def run_jax_side(cfg, inputs: SessionInputs, args, log) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.engine.generator import DiTGenerator, compile_programs
+    from characters_jax.engine.step import Engine
+    from characters_jax.parallel.sharding import make_mesh
+    from characters_jax.serving.placement import size_generator_pool
 
+    # The GPU pool from the plan before the backend starts (the environment's fraction, if
+    # set, stays), then the step and prefill compiled before the weights exist.
+    size_generator_pool(cfg, args.tp)
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, seed=args.seed)
+    engine = Engine(cfg, make_mesh(args.tp))
+    programs = compile_programs(engine, buckets=(engine.prompt_bucket(len(inputs.prompt)),))
+    compile_s = time.perf_counter() - t0
+    log(f"[jax] step and prefill compiled in {compile_s:.1f} s")
+    t0 = time.perf_counter()
+    gen = DiTGenerator(cfg, tp=args.tp, seed=args.seed, programs=programs)
     jax.block_until_ready(gen.params)
     init_s = time.perf_counter() - t0
     log(f"[jax] params on {args.tp} device(s) in {init_s:.1f} s")
@@ -1061,7 +1075,7 @@ def run_jax_side(cfg, inputs: SessionInputs, args, log) -> dict:
     first = gen.step(audio)
     first.block_until_ready()
     first_s = time.perf_counter() - t0
-    log(f"[jax] prefill + first step (compiles) in {first_s:.1f} s")
+    log(f"[jax] prefill + first step in {first_s:.1f} s")
     total = 1 + args.warmup + args.steps
     resets = reset_steps(total, cfg.cache.ring_frames, cfg.cache.reset_period)
     times, reset_ms = [], []
@@ -1074,7 +1088,7 @@ def run_jax_side(cfg, inputs: SessionInputs, args, log) -> dict:
         if s > args.warmup:
             (reset_ms if s in resets else times).append(dt)
     finite = bool(np.isfinite(np.asarray(latent)).all())
-    out = {"step_ms": percentiles(times), "reset_step_ms": reset_ms, "init_s": init_s,
+    out = {"step_ms": percentiles(times), "reset_step_ms": reset_ms, "init_s": init_s, "compile_s": compile_s,
            "prefill_and_first_step_s": first_s, "latent_finite": finite, "jax": jax.__version__,
            "devices": [d.device_kind for d in jax.local_devices()[: args.tp]],
            "timing": "host wall time per step to completion (block_until_ready), as characters-jax bench"}
@@ -1095,7 +1109,7 @@ def _jax_profile(gen, audio, logdir: str, log) -> dict:
     try:
         from characters_jax.measure.profile import profile_steps
 
-        exe = gen.engine.step.lower(gen.params, gen.state, audio).compile()
+        exe = gen.programs.step if gen.programs is not None else gen.engine.step.lower(gen.params, gen.state, audio).compile()
         gen.state, breakdown = profile_steps(exe, gen.params, gen.state, audio, steps=2, logdir=logdir)
         log(f"[jax] profiled 2 steps into {logdir}")
         return breakdown

@@ -15,8 +15,10 @@ from characters_jax.serving import placement as pl
 from characters_jax.serving.server import child_env
 
 MIB = 1 << 20
+GIB = 1 << 30
 H200 = ("NVIDIA H200", 143771)
 H100 = ("NVIDIA H100 80GB HBM3", 81559)
+L40S = ("NVIDIA L40S", 46068)
 C57 = load_config("characters-57b")
 
 
@@ -56,18 +58,82 @@ def test_more_tp_than_gpus_is_refused_with_what_fits():
         pl.plan(C57, 4, gpus(H200, 2))
 
 
+def test_one_h100_holds_57b_at_tp1_beside_its_decoder():
+    p = pl.plan(C57, 1, gpus(H100, 1))
+    assert p.decoder_shares_gpu and p.decoder_on == "shared"
+    total = H100[1] * MIB
+    pool = p.generator_fraction * total
+    # Parameters + KV cache (~59.1 GiB) and the reserve in the pool fit, with room to spare
+    # for the measured working memory; both pools and both outside reserves fit the card.
+    assert pool >= p.need.total + pl.POOL_RESERVE_BYTES + 5 * GIB, pool / GIB
+    assert (p.generator_fraction + p.decoder_fraction) * total + 2 * pl.PROCESS_RESERVE_BYTES <= total
+    assert p.decoder_bytes == pl.decoder_need(C57) + pl.DECODER_SCRATCH_BYTES + pl.PROCESS_RESERVE_BYTES
+
+
 def test_a_config_that_does_not_fit_names_its_need_and_what_would():
     with pytest.raises(pl.PlacementError) as err:
-        pl.plan(C57, 1, gpus(H100, 1))
+        pl.plan(C57, 1, gpus(L40S, 1))
     msg = str(err.value)
-    assert "needs ~" in msg and "parameters 53.2 GiB" in msg and "at least 2 such GPUs" in msg, msg
-    # Memory other processes hold counts: a busy H200 is refused too.
+    assert "needs more than ~" in msg and "parameters 53.2 GiB" in msg and "at least 2 such GPUs" in msg, msg
+    # Memory other processes hold counts: a busy H100 is refused too.
     with pytest.raises(pl.PlacementError, match="in use"):
-        pl.plan(C57, 1, gpus(H200, 1, used_mib=90_000))
+        pl.plan(C57, 1, gpus(H100, 1, used_mib=20_000))
     with pytest.raises(pl.PlacementError, match="not a visible GPU"):
         pl.plan(C57, 1, gpus(H200, 1), decoder_device="7")
     with pytest.raises(ConfigError, match="num_heads"):
         pl.plan(C57, 5, gpus(H200, 8))
+
+
+def test_the_measured_working_memory_is_checked_against_the_pool():
+    p = pl.plan(C57, 1, gpus(H100, 1))
+    pool = int(p.generator_fraction * H100[1] * MIB)
+    need = pl.check_measured(C57, p, p.need.params, p.need.cache, int(0.1 * GIB), pool)
+    assert need.measured and need.working == int(0.1 * GIB) + pl.POOL_RESERVE_BYTES
+    line = pl.memory_plan_line(p, need, pool)
+    for part in ("parameters 53.2 GiB", "KV cache 6.0 GiB", "working memory 0.60 GiB (measured)", "to spare",
+                 "the decoder's share ~", "generator's first GPU"):
+        assert part in line, line
+    # A working memory that does not fit is refused, saying what would fit.
+    with pytest.raises(pl.PlacementError) as err:
+        pl.check_measured(C57, p, p.need.params, p.need.cache, 14 * GIB, pool)
+    assert "working memory 14.5 GiB (measured)" in str(err.value) and "at least 2 such GPUs" in str(err.value), str(err.value)
+
+
+def test_working_memory_of_the_compiled_programs():
+    from characters_jax.engine.generator import GeneratorMemory, ProgramMemory
+
+    m = GeneratorMemory(params=100, state=10, programs={
+        "init_params": ProgramMemory(temp=40, code=1, new_outputs=100),  # its output is the parameters
+        "init_state": ProgramMemory(temp=0, code=1, new_outputs=10),
+        "step": ProgramMemory(temp=30, code=2, new_outputs=3),  # the latent
+        "prefill_8": ProgramMemory(temp=50, code=2, new_outputs=0)})
+    assert m.working == 50 + (1 + 1 + 2 + 2) + 3
+    assert m.largest_temp() == ("prefill_8", 50)
+
+
+def test_the_benchmarks_pool_keeps_a_fraction_the_environment_sets(monkeypatch):
+    for name in pl.FRACTION_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    p = pl.plan(C57, 1, gpus(H100, 1), with_decoder=False)
+    assert p.decoder_on == "none" and not p.decoder_bytes
+    assert p.pool_env() == {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{p.generator_fraction:.3f}"}
+    # Without a decoder the generator takes the GPU's free memory less its reserve.
+    assert p.generator_fraction == round(((H100[1] - 500) * MIB - pl.PROCESS_RESERVE_BYTES) / (H100[1] * MIB), 3)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.5")
+    assert p.pool_env() == {}
+
+
+def test_a_cpu_host_without_the_memory_is_refused_with_what_fits():
+    small_host = pl.HostMemory(available=20 * GIB, total=24 * GIB)
+    with pytest.raises(pl.PlacementError) as err:
+        pl.plan(C57, 8, [], host=small_host)
+    msg = str(err.value)
+    assert "host memory" in msg and "20.0 GiB available of 24.0 GiB" in msg, msg
+    assert "configs that fit this host: small, talking, tiny" in msg, msg
+    # Negative controls: a host with the memory, and a small config on the small host.
+    big = pl.plan(C57, 8, [], host=pl.HostMemory(available=600 * GIB, total=640 * GIB))
+    assert big.platform == "cpu" and big.need.params * 8 > 53 * GIB
+    assert pl.plan(load_config("tiny"), 2, [], host=small_host).platform == "cpu"
 
 
 def test_needs_follow_the_shapes():
@@ -113,7 +179,7 @@ def test_visible_gpus_honours_cuda_visible_devices(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind, n, args, expect", [
     (H200, 1, ["--tp", "2"], "--tp 2 needs 2 GPUs; 1 visible"),
-    (H100, 1, [], "at least 2 such GPUs"),
+    (L40S, 1, [], "at least 2 such GPUs"),
 ])
 def test_serve_refuses_a_plan_that_cannot_fit_within_seconds(tmp_path, kind, n, args, expect):
     env = child_env(1, {"PATH": f"{fake_smi(tmp_path, kind, n)}:{os.environ['PATH']}"})
@@ -125,6 +191,21 @@ def test_serve_refuses_a_plan_that_cannot_fit_within_seconds(tmp_path, kind, n, 
     elapsed = time.monotonic() - t0
     assert r.returncode == 2, r.stderr[-2000:]
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert elapsed < 60, f"refused after {elapsed:.1f} s"
+
+
+def test_serve_on_a_cpu_host_without_the_memory_is_refused_within_seconds():
+    need = pl.plan(C57, 8, [], host=pl.HostMemory(1 << 50, 1 << 50)).need
+    if pl.host_memory().available > 8 * need.total:
+        pytest.skip("this host has the memory for characters-57b at tp=8 on the CPU")
+    env = child_env(1, {"JAX_PLATFORMS": "cpu"})
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "characters_jax.cli", "serve", "--config", "characters-57b", "--tp", "8",
+                        "--port", "0", "--metrics-port", "-1"], env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "of host memory" in r.stderr and "configs that fit this host" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "decoder" not in r.stdout, r.stderr[-2000:]
     assert elapsed < 60, f"refused after {elapsed:.1f} s"
 
 

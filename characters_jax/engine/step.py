@@ -252,6 +252,33 @@ class Engine:
             new_state = self.end_frame(state, cache, valid, slot_positions)
         return new_state, x.reshape(cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels)
 
+    # ---- abstract arguments (ahead-of-time compilation; nothing allocated) -------------------
+    def key_shape(self) -> jax.ShapeDtypeStruct:
+        """The init program's argument: one PRNG key."""
+        return jax.eval_shape(lambda: jax.random.key(0))
+
+    def param_shapes(self):
+        """The parameters as init_params returns them: ShapeDtypeStructs with their shardings."""
+        return jax.eval_shape(self.init_params, self.key_shape())
+
+    def state_shapes(self):
+        """The step state as init_state returns it: ShapeDtypeStructs with their shardings."""
+        return jax.eval_shape(self.init_state)
+
+    def step_input_shapes(self) -> tuple[jax.ShapeDtypeStruct]:
+        """The step's arguments after (params, state): audio [A_tok, F_a] float32, replicated."""
+        m = self.cfg.model
+        return (jax.ShapeDtypeStruct((m.audio_tokens_per_step, m.audio_feature_dim), jnp.float32, sharding=self.replicated),)
+
+    def prefill_input_shapes(self, bucket: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The prefill's arguments after (params, state) for prompts padded to `bucket`:
+        image latent [T_img, C] float32, prompt [bucket] int32, length [] int32, seed [] uint32."""
+        v, m, r = self.cfg.video, self.cfg.model, self.replicated
+        return (jax.ShapeDtypeStruct((v.tokens_per_frame, m.latent_channels), jnp.float32, sharding=r),
+                jax.ShapeDtypeStruct((bucket,), jnp.int32, sharding=r),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=r),
+                jax.ShapeDtypeStruct((), jnp.uint32, sharding=r))
+
     # ---- host-side methods (no device sync) ----------------------------------------------------
     def prompt_bucket(self, n: int) -> int:
         for b in self.cfg.cache.prompt_buckets:

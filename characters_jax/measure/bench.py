@@ -77,38 +77,51 @@ def random_session_inputs(cfg, engine, seed: int):
 def run_bench(args) -> dict:
     import jax
 
-    from characters_jax.config import load_config
-    from characters_jax.engine.generator import DiTGenerator
-    from characters_jax.config import with_engine_arguments
+    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.engine.generator import DiTGenerator, compile_programs
     from characters_jax.engine.options import resolve_engine
+    from characters_jax.engine.step import Engine
     from characters_jax.measure.upkeep import cache_upkeep, step_flops, upkeep_inputs
     from characters_jax.model.params import count_params
+    from characters_jax.parallel.sharding import make_mesh
+    from characters_jax.serving.metrics import device_memory
+    from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes, size_generator_pool
 
     cfg = with_engine_arguments(load_config(args.config), args)
     cfg.validate_tp(args.tp)
     options = resolve_engine(cfg)  # a bad option fails here, before any parameter exists
+    # Before the backend starts: the GPU pool from the plan (PlacementError if it cannot fit).
+    placement = size_generator_pool(cfg, args.tp)
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
     log(f"[bench] {cfg.name}: {count_params(cfg.model) / 1e9:.3f}B params, tp={args.tp}, "
         f"mode={cfg.cache.mode}, cache={cfg.cache.dtype}, attention={options.attention}, "
         f"reduce={options.reduce}, kernels={options.kernels}, backend={jax.default_backend()}")
 
-    t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed)
-    jax.block_until_ready((gen.params, gen.state))
-    init_s = time.perf_counter() - t0
-    log(f"[bench] params and state on devices in {init_s:.1f} s")
-
-    engine = gen.engine
+    # The step and the session's prefill compiled before any weight exists (XLA's autotuning
+    # then has the whole pool), their memory measured and checked against the pool.
+    engine = Engine(cfg, make_mesh(args.tp))
     image, prompt, audio = random_session_inputs(cfg, engine, args.seed)
-
-    t0 = time.perf_counter()
-    step_exe = engine.step.lower(gen.params, gen.state, audio).compile()
-    compile_s = time.perf_counter() - t0
+    programs = compile_programs(engine, buckets=(engine.prompt_bucket(len(prompt)),),
+                                random_weights=not args.checkpoint, workers=1)
+    compile_s = programs.compile_s["step"]
     log(f"[bench] step compiled in {compile_s:.1f} s")
-    mem = step_exe.memory_analysis()
+    compile_peak = device_memory().get("peak_bytes_in_use")  # the autotuning scratch, no weight placed yet
+    pool = pool_bytes(engine.mesh.devices.flat)
+    m = programs.memory
+    need = check_measured(cfg, placement, m.params, m.state, m.working, pool)
+    plan_line = memory_plan_line(placement, need, pool)
+    log(f"[bench] memory plan {plan_line}")
+    mem = programs.step.memory_analysis()
     memory = {}
     if mem is not None:
         memory = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes") if hasattr(mem, k)}
+
+    t0 = time.perf_counter()
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, programs=programs)
+    jax.block_until_ready((gen.params, gen.state))
+    init_s = time.perf_counter() - t0
+    log(f"[bench] params and state on devices in {init_s:.1f} s")
+    step_exe = programs.step
 
     gen.start_session(image, prompt, seed=args.seed)
     total = args.warmup + args.steps
@@ -183,6 +196,10 @@ def run_bench(args) -> dict:
         "cache_upkeep_ms": upkeep_ms,
         "cache_upkeep_share": upkeep_ms["p50"] / step_ms["p50"],
         "compiled_memory": memory,
+        "memory_plan": {"line": plan_line, "params_bytes": need.params, "cache_bytes": need.cache,
+                        "working_bytes": need.working, "pool_bytes": pool,
+                        "largest_temp": list(m.largest_temp()), "after_compile_peak_bytes": compile_peak,
+                        "programs": {n: dataclasses.asdict(p) for n, p in m.programs.items()}},
         "device_memory": _device_memory(),
         "latent_finite": finite,
     }
@@ -221,6 +238,11 @@ def format_table(r: dict) -> str:
     temp = r["compiled_memory"].get("temp_size_in_bytes")
     if temp is not None:
         rows.append(("step temporaries per device", f"{temp / 2**30:.3f} GiB"))
+    peaks = [(d.get("peak_bytes_in_use"), d.get("bytes_limit")) for d in r["device_memory"].values()]
+    if peaks and all(p is not None and lim for p, lim in peaks):
+        peak, limit = max(peaks)
+        rows.append(("device memory peak / pool", f"{peak / 2**30:.2f} / {limit / 2**30:.2f} GiB"))
+    rows.append(("memory plan", r["memory_plan"]["line"]))
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     b = r.get("breakdown")

@@ -10,7 +10,6 @@ and is then ended CANCELLED; then the worker stops.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -20,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent import futures
 
 from characters_jax.serving.health import SERVICE_NAME  # noqa: F401  (the name balancers check; imported from here by tools)
 from characters_jax.serving.placement import host_device_flags
@@ -114,26 +112,31 @@ def _use_compile_cache(choice: str) -> str | None:
     return path
 
 
-def _compile_concurrently(generator, tokens) -> None:
-    """Compiles the prefill of every prompt bucket and the step at once, one thread each
-    (XLA compiles outside the GIL), ahead of their first call, which then finds them
-    compiled. tokens: one step's audio tokens."""
-    import jax.numpy as jnp
+def _compile_generator(cfg, tp: int, random_weights: bool, placement):
+    """Compiles the generator's programs (the step, every prompt bucket's prefill, the init
+    programs) from abstract shapes before any weight exists, so XLA's autotuning has the
+    whole pool, then checks the plan with their measured working memory. Returns
+    (programs, the memory plan's line, compile seconds). Raises PlacementError."""
+    from characters_jax.engine.generator import compile_programs
+    from characters_jax.engine.step import Engine
+    from characters_jax.parallel.sharding import make_mesh
+    from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes
 
-    e, cfg = generator.engine, generator.config
-    latent = jnp.zeros((cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
-    jobs = [functools.partial(e.prefill.lower, generator.params, generator.state, latent, jnp.zeros((b,), jnp.int32),
-                              jnp.int32(1), jnp.uint32(0)) for b in cfg.cache.prompt_buckets]
-    jobs.append(functools.partial(e.step.lower, generator.params, generator.state, tokens))
-    with futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="compile") as pool:
-        for done in [pool.submit(lambda lower: lower().compile(), job) for job in jobs]:
-            done.result()
+    t0 = time.perf_counter()
+    engine = Engine(cfg, make_mesh(tp))
+    programs = compile_programs(engine, random_weights=random_weights)
+    compile_s = time.perf_counter() - t0
+    pool = pool_bytes(engine.mesh.devices.flat)
+    m = programs.memory
+    need = check_measured(cfg, placement, m.params, m.state, m.working, pool)
+    return programs, memory_plan_line(placement, need, pool), compile_s
 
 
-def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
-    """Compiles the prefill of every prompt bucket and the step, so sessions never compile,
-    then times `timed_steps` more steps (the worker's honest speed, logged at start-up).
-    Returns {compile_s, step_ms (median), fps_capacity, real_time, memory}."""
+def _warmup(generator, frontend, cfg, metrics, compile_s: float, timed_steps: int = 3) -> dict:
+    """Runs the prefill of every prompt bucket and the step once (compiled already, in
+    `compile_s` seconds), so sessions never compile, then times `timed_steps` more steps
+    (the worker's honest speed, logged at start-up).
+    Returns {compile_s (compile + first runs), step_ms (median), fps_capacity, real_time, memory}."""
     import numpy as np
 
     from characters_jax.serving.metrics import device_memory
@@ -141,12 +144,11 @@ def _warmup(generator, frontend, cfg, metrics, timed_steps: int = 3) -> dict:
     v, m = cfg.video, cfg.model
     t0 = time.perf_counter()
     tokens = frontend.tokens(np.zeros(frontend.spec.window_samples, np.float32))
-    _compile_concurrently(generator, tokens)
     latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
     for n in cfg.cache.prompt_buckets:  # the compiled programs, run once each
         generator.start_session(latent, [32] * n, 0)
     generator.step(tokens).block_until_ready()
-    compile_s = time.perf_counter() - t0
+    compile_s += time.perf_counter() - t0
     times = []
     for _ in range(timed_steps):
         t = time.perf_counter()
@@ -248,11 +250,19 @@ def run_worker(args) -> int:
     state["decoder_address"] = decoder_address
 
     from characters_jax.engine.generator import DiTGenerator
+    from characters_jax.serving.placement import PlacementError
 
     state["checkpoint"] = checkpoint or "random weights"
-    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=args.seed)
+    try:  # compiled before any weight is placed; a plan that cannot fit is refused here
+        programs, state["memory_plan"], compile_s = _compile_generator(cfg, args.tp, dit_path is None, placement)
+    except PlacementError:
+        if supervisor is not None:
+            supervisor.stop()
+        raise
+    log.info("memory plan", extra={"fields": {"memory_plan": state["memory_plan"], "compile_s": round(compile_s, 2)}})
+    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=args.seed, programs=programs)
     frontend = AudioFrontEnd(cfg)
-    state["warmup"] = _warmup(generator, frontend, cfg, metrics)
+    state["warmup"] = _warmup(generator, frontend, cfg, metrics, compile_s)
     log.info("generator compiled", extra={"fields": state["warmup"]})
     decoder = DecoderClient(decoder_address, cfg)
     metrics.watch_decoder(decoder.channel)
