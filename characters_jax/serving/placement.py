@@ -31,7 +31,7 @@ from characters_jax.config import CONFIG_DIR, Config, ConfigError, load_config
 GIB = 1 << 30
 # A GPU process's memory outside its allocator pool: the CUDA context, loaded kernel
 # images, cuBLAS / cuDNN handles.
-PROCESS_RESERVE_BYTES = GIB
+PROCESS_RESERVE_BYTES = 2 * GIB
 # Inside the generator's pool, beyond what its compiled programs' analysis counts: session
 # inputs, the audio front end's programs, the allocator's rounding.
 POOL_RESERVE_BYTES = GIB // 2
