@@ -65,7 +65,7 @@ class WorkerMetrics:
         self.inserted_silence_seconds = prom.Counter("characters_inserted_silence_seconds", "Silence placed inside speech segments because their audio arrived late (the gaps between a segment's first and last sample)", registry=r)
         self._segment_starts: dict[int, int] = {}  # segment -> timeline sample of its first sample (the live session's)
         self.decoder_restarts = prom.Counter("characters_decoder_restarts", "Restarts of the worker's decoder process", registry=r)
-        self.decoder_up = prom.Gauge("characters_decoder_up", "1 while the channel to the decoder is connected (READY), else 0", registry=r)
+        self.decoder_up = prom.Gauge("characters_decoder_up", "1 while the channel to the decoder connects (READY), else 0 (checked every second)", registry=r)
         self.health_serving = prom.Gauge("characters_health_serving", "grpc.health.v1 status by service: 1 SERVING, 0 otherwise", ["service"], registry=r)
         self.rpc_errors = prom.Counter("characters_rpc_errors", "RPCs that ended with a status other than OK, by method and code", ["method", "code"], registry=r)
         self.rpc_pool_threads = prom.Gauge("characters_rpc_pool_threads", "Threads of an RPC pool", ["pool"], registry=r)
@@ -141,19 +141,34 @@ class WorkerMetrics:
         if restarts:
             self.decoder_restarts.inc()
 
-    def watch_decoder(self, channel: grpc.Channel) -> None:
-        """Follows the decoder channel's connectivity (characters_decoder_up), keeping it
-        connected."""
-        def on_state(state: grpc.ChannelConnectivity) -> None:
-            self.decoder_up.set(1 if state == grpc.ChannelConnectivity.READY else 0)
+    def watch_decoder(self, channel: grpc.Channel, every_s: float = 1.0) -> None:
+        """Follows whether the decoder's channel connects (characters_decoder_up), asking it
+        to connect every `every_s` seconds on a thread of its own (an idle channel would not
+        reconnect to a restarted decoder by itself)."""
+        stop = threading.Event()
 
-        self._decoder_watch = (channel, on_state)
-        channel.subscribe(on_state, try_to_connect=True)
+        def run() -> None:
+            while not stop.is_set():
+                ready = grpc.channel_ready_future(channel)
+                try:
+                    ready.result(timeout=every_s)
+                    self.decoder_up.set(1)
+                    stop.wait(every_s)
+                except grpc.FutureTimeoutError:
+                    self.decoder_up.set(0)
+                finally:
+                    ready.cancel()
+
+        thread = threading.Thread(target=run, name="decoder-watch", daemon=True)
+        self._decoder_watch = (stop, thread, every_s)
+        thread.start()
 
     def unwatch_decoder(self) -> None:
+        """Stops following the decoder (before its channel is closed)."""
         if self._decoder_watch is not None:
-            channel, on_state = self._decoder_watch
-            channel.unsubscribe(on_state)
+            stop, thread, every_s = self._decoder_watch
+            stop.set()
+            thread.join(every_s + 1.0)
             self._decoder_watch = None
 
     def set_health(self, service: str, status: int) -> None:
