@@ -7,6 +7,8 @@
   fake model; deadlines of 3 s): a health Check every 50 ms answers within 100 ms
   throughout; every stream ends RESOURCE_EXHAUSTED (over its limit) or DEADLINE_EXCEEDED
   (admitted, idle past its deadline), each with a message; then a real session still runs.
+  Negative control: stock health and reflection sharing one small pool starve.
+- SIGTERM ends the worker within its drain timeout plus a few seconds, whatever its streams do.
 """
 
 import statistics
@@ -21,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.admission import Admission, RpcLimits
-from characters_jax.serving.client import CharacterClient
+from characters_jax.serving.client import CharacterClient, start_request
 from characters_jax.serving.request_reader import RequestReader, first_request
 from serving_harness import png, speech
 from test_serving_health import Aborted, FakeContext, start_worker_process
@@ -228,3 +230,39 @@ def test_idle_streams_never_starve_health_and_are_refused_or_timed_out(tmp_path)
         except Exception:
             proc.kill()
         assert proc.returncode == 0, log_path.read_text()[-3000:]
+
+
+def test_sigterm_ends_the_worker_whatever_its_streams_do(tmp_path):
+    """A live session whose client stopped reading (its sends wait for flow control), an
+    idle Converse stream, an idle reflection stream and health watches: SIGTERM ends the
+    worker (0) within its drain timeout plus a few seconds."""
+    drain_s = 1.0
+    proc, port, log_path = start_worker_process(tmp_path, "--servicer", "worker", "--drain-timeout", str(drain_s))
+    target = f"127.0.0.1:{port}"
+    release = threading.Event()
+
+    def session_requests():
+        yield start_request(image=png(), playout_reports=False)
+        release.wait()
+
+    ch = grpc.insecure_channel(target)
+    try:
+        stub = characters_pb2_grpc.CharacterServiceStub(ch)
+        session = stub.Converse(session_requests())
+        assert next(session).session.state == pb.RUNNING  # then never read again
+        idle = [stub.Converse(IdleRequests(release)), reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(IdleRequests(release))]
+        watches = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(3)]
+        assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
+        time.sleep(2.0)  # the unread chunks fill the stream's flow-control window: the worker's sends wait
+        t_term = time.monotonic()
+        proc.terminate()
+        assert proc.wait(drain_s + 10) == 0, log_path.read_text()[-3000:]
+        print(f"\nSIGTERM with a stalled session and idle streams: exited in {time.monotonic() - t_term:.2f} s (drain timeout {drain_s:g} s)")
+        for call in [session, *idle, *watches]:
+            call.cancel()
+    finally:
+        release.set()
+        ch.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
