@@ -30,8 +30,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_gemm_stacked
 from pallas_kernels.fp8_gemm_stacked import Product, stacked_fp8_matmul
-from pallas_kernels.numerics import (FP8 as FP8_DTYPE, FP8_MAX, quantize_activation,
-                                     row_broadcast as _row_broadcast, scale_from_amax, to_fp8)
+from pallas_kernels.numerics import FP8 as FP8_DTYPE, FP8_MAX, quantize_activation, row_broadcast as _row_broadcast
 
 # How activations are scaled for FP8: one scale per tensor, or one per row (token).
 ACT_SCALES = ("tensor", "row")
@@ -126,17 +125,6 @@ def check_act_scale(act_scale: str) -> str:
     if act_scale not in ACT_SCALES:
         raise ValueError(f"unknown activation scale {act_scale!r}; expected one of {ACT_SCALES}")
     return act_scale
-
-
-def quantize_weight(w: jax.Array, per_channel: bool = False) -> Fp8Weight:
-    """Quantizes a float weight w [N, K] to FP8 e4m3 with a per-tensor or per-row scale."""
-    if w.ndim != 2:
-        raise ValueError(f"expected a [N, K] weight, got shape {w.shape}")
-    absw = jnp.abs(w.astype(jnp.float32))
-    amax = jnp.max(absw, axis=1) if per_channel else jnp.max(absw)
-    scale = scale_from_amax(amax)
-    inv = 1.0 / (scale[:, None] if per_channel else scale)
-    return Fp8Weight(values=to_fp8(w, inv), scale=scale)
 
 
 def quantize(x, act_scale: str = "tensor") -> Fp8Activation:

@@ -347,23 +347,3 @@ def row_parallel_matmul_reduce(x_shard, w_shard=None, *, axis_name: str = "tp",
     else:
         out = _pallas_matmul_reduce(pairs, axis_name, out_dtype, act_scale)
     return out[:m]
-
-
-def reduce(partial: jax.Array, *, axis_name: str = "tp", method: str = "psum") -> jax.Array:
-    """All-reduce of an already computed partial [M, N] over ``axis_name``.
-
-    'psum' is XLA's all-reduce; 'ppermute' the same ring reduce-scatter + all-gather
-    as above (no matmul to overlap); 'pallas' and 'auto' fall back to 'psum', since
-    the fused kernel's gain is hiding the reduction under the GEMM.
-    """
-    method = resolve_method(method, jax.default_backend())
-    if method != "ppermute":
-        return lax.psum(partial, axis_name)
-    tp = lax.axis_size(axis_name)
-    if tp == 1:
-        return partial
-    m = partial.shape[0]
-    mc = -(-m // tp)
-    padded = _pad_rows(partial, mc * tp)
-    return _ring_all_reduce_rows(
-        lambda c: lax.dynamic_slice_in_dim(padded, c * mc, mc, axis=0), m, tp, axis_name)
