@@ -329,7 +329,7 @@ def get(url: str) -> tuple[int, str]:
 
 def test_healthz_is_200_while_grpc_answers_and_503_once_it_does_not():
     w = FakeWorker(load_config("tiny"))
-    probe = GrpcLiveness(w.server.loopback_target, timeout_s=1.0)
+    probe = GrpcLiveness(w.server.probe_target, timeout_s=1.0)
     http = MetricsHttpServer(w.server.ctx.metrics.registry, "127.0.0.1", 0, probe)
     try:
         url = f"http://127.0.0.1:{http.port}"
@@ -344,5 +344,33 @@ def test_healthz_is_200_while_grpc_answers_and_503_once_it_does_not():
         assert status == 503 and "no health answer" in body, body
     finally:
         http.close()
+        probe.close()
+        w.close()
+
+
+def test_healthz_probes_a_tls_worker_over_its_private_socket(tmp_path):
+    """Under mutual TLS with bearer tokens the probe still answers: it reaches the server
+    over its private Unix socket (health needs no token there either), and nothing else
+    gets through that socket without a token."""
+    pytest.importorskip("cryptography.x509", reason="making test certificates needs the cryptography package (the view extra brings it)")
+    import os
+    import stat
+
+    from characters_jax.protos_gen import characters_pb2 as pb
+    from characters_jax.protos_gen import characters_pb2_grpc
+    from test_serving_auth import Pki, secure_worker
+
+    w = secure_worker(Pki(tmp_path))
+    probe = GrpcLiveness(w.server.probe_target, timeout_s=1.0)
+    try:
+        alive, message = probe()
+        assert alive and "SERVING" in message, message
+        socket_dir = os.path.dirname(w.server.probe_target.removeprefix("unix:"))
+        assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o700
+        with grpc.insecure_channel(w.server.probe_target) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                characters_pb2_grpc.CharacterServiceStub(ch).GetSession(pb.GetSessionRequest(session_id="x"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
         probe.close()
         w.close()

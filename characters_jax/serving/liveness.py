@@ -1,5 +1,6 @@
 """The worker's liveness check (served as /healthz on the metrics port): a grpc.health.v1
-Check of "" over a loopback channel to the worker's own gRPC server, with a short deadline.
+Check of "" over a channel to the worker's own gRPC server (its private Unix socket,
+worker_server.py), with a short deadline.
 
 Any answer is alive, NOT_SERVING included (a draining worker turns NOT_SERVING on purpose
 and must not be restarted for it); no answer within the deadline (a wedged or stopped
@@ -12,21 +13,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def loopback_target(host: str, port: int) -> str:
-    """The address a process on this machine reaches a server bound to host:port at."""
-    if host in ("", "0.0.0.0"):
-        return f"127.0.0.1:{port}"
-    if host in ("::", "[::]"):
-        return f"[::1]:{port}"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
-
-
 class GrpcLiveness:
     def __init__(self, target: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None, options=()):
-        """target: the worker's gRPC server as seen from here (`loopback_target`);
-        credentials: the channel's when the server uses TLS."""
+        """target: the worker's gRPC server as seen from here (WorkerServer.probe_target);
+        credentials: the channel's, for a target that uses TLS."""
         self.target, self.timeout_s = target, timeout_s
         self._channel = grpc.secure_channel(target, credentials, options) if credentials is not None else grpc.insecure_channel(target, options)
         self._check = health_pb2_grpc.HealthStub(self._channel).Check

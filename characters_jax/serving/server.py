@@ -274,7 +274,7 @@ def run_worker(args) -> int:
         return 1
     from characters_jax.serving.liveness import GrpcLiveness
 
-    liveness = GrpcLiveness(worker.loopback_target, worker.limits.liveness_timeout_s)  # /healthz: the gRPC server answers
+    liveness = GrpcLiveness(worker.probe_target, worker.limits.liveness_timeout_s)  # /healthz: the gRPC server answers
     metrics_host = args.metrics_host or args.host
     metrics_http = metrics.serve_http(args.metrics_port, metrics_host, liveness) if args.metrics_port >= 0 else None
     metrics_port = metrics_http.port if metrics_http is not None else None

@@ -14,6 +14,11 @@ No number of streams can starve health or wedge the server:
     (request_reader.py): DEADLINE_EXCEEDED;
   - RPC errors are counted by method and code (rpc_metrics.py), pools and admission
     counters are gauges (metrics.py).
+
+Besides host:port, the server listens on a Unix socket in a directory of its own that only
+this user can enter (`probe_target`): what the liveness check (/healthz, liveness.py)
+probes, in plaintext whatever TLS the port uses. Only a process of this user, which can
+read the worker's key and token files anyway, reaches it; bearer tokens still apply.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import tempfile
 from collections.abc import Sequence
 
 import grpc
@@ -30,7 +36,6 @@ from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.admission import Admission, RpcLimits, admitted
 from characters_jax.serving.channel_options import worker_server_options
 from characters_jax.serving.health import HEALTH_SERVICE, WorkerHealth
-from characters_jax.serving.liveness import loopback_target
 from characters_jax.serving.request_reader import RequestReader, with_idle_deadline
 from characters_jax.serving.rpc_handlers import behavior_of, generated_handlers, register, with_behavior
 from characters_jax.serving.rpc_metrics import RpcMetricsInterceptor
@@ -61,7 +66,9 @@ class WorkerServer:
         address = f"{host}:{port}"
         self.port = self.server.add_secure_port(address, credentials) if credentials is not None else self.server.add_insecure_port(address)
         self.address = f"{host}:{self.port}"
-        self.loopback_target = loopback_target(host, self.port)
+        self._probe_dir = tempfile.TemporaryDirectory(prefix="characters-worker-")  # mode 0700
+        self.probe_target = f"unix:{self._probe_dir.name}/health.sock"
+        self.server.add_insecure_port(self.probe_target)
         self.ctx = ctx
         self.options = options if options.worker_id else dataclasses.replace(options, worker_id=f"{socket.gethostname()}:{self.port}")
         self.table = SessionTable(self._on_change)
@@ -115,4 +122,5 @@ class WorkerServer:
         self.health.servicer.close()
         for pool in self.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_dir.cleanup()
         return stopped
