@@ -249,6 +249,11 @@ class WatchChurn:
             t.join(10)
 
 
+def check_once(target: str) -> int:
+    with grpc.insecure_channel(target) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
 def probe_checks(target: str, seconds: float, stop_at_failure: bool) -> tuple[list[float], float | None]:
     """Checks "" every PROBE_EVERY_S for `seconds` (deadline CHECK_DEADLINE_S). Returns
     (latencies of the answered ones, seconds into the run of the first unanswered one)."""
@@ -275,6 +280,7 @@ def test_the_stock_health_servicer_wedges_under_watch_churn(tmp_path):
     for good, while the port still accepts TCP connections; the liveness probe says so."""
     proc, port, _log = start_worker_process(tmp_path, "--servicer", "stock", "--flip-ms", "50")
     target = f"127.0.0.1:{port}"
+    assert check_once(target) == SERVING  # it answers before the churn
     churn = WatchChurn(target)
     try:
         _, failed_at = probe_checks(target, 20.0, stop_at_failure=True)
@@ -298,6 +304,7 @@ def test_the_worker_stays_responsive_under_watch_churn_and_exits_on_sigterm(tmp_
     within its drain timeout plus a few seconds."""
     proc, port, log_path = start_worker_process(tmp_path, "--servicer", "worker", "--flip-ms", "50", "--drain-timeout", "2")
     target = f"127.0.0.1:{port}"
+    assert check_once(target) == SERVING  # it answers before the churn
     churn = WatchChurn(target)
     try:
         latencies, failed_at = probe_checks(target, 60.0, stop_at_failure=False)
