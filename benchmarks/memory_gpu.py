@@ -40,10 +40,12 @@ GIB = 1 << 30
 FRACTION_NAMES = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(compile_cache: pathlib.Path) -> dict[str, str]:
     """This environment without any memory-fraction or preallocation setting (the defaults),
-    with the repository importable and NVLink multicast off."""
+    with the repository importable, NVLink multicast off, and XLA's persistent compilation
+    cache in `compile_cache`."""
     env = {k: v for k, v in os.environ.items() if k not in FRACTION_NAMES}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env["PYTHONUNBUFFERED"] = "1"
@@ -84,14 +86,15 @@ class GpuPoller:
         return {"per_pid_mib": dict(self.per_pid), "gpu_used_mib": self.gpu_used_mib}
 
 
-def run_logged(name: str, argv: list[str], out: pathlib.Path, timeout: float) -> tuple[int, float, dict]:
+def run_logged(name: str, argv: list[str], out: pathlib.Path, work: pathlib.Path, timeout: float) -> tuple[int, float, dict]:
     """argv under `timeout` with its output in out/NAME.log: (exit code, seconds, nvidia-smi
-    peaks while it ran)."""
+    peaks while it ran). The bench and the JAX side share one compilation cache (the second
+    finds the step compiled); serve starts cold with its own."""
     poller = GpuPoller()
     t0 = time.monotonic()
     with open(out / f"{name}.log", "w") as log:
         try:
-            rc = subprocess.run(argv, env=clean_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
+            rc = subprocess.run(argv, env=clean_env(work / "xla-bench"), stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.monotonic() - t0, poller.stop()
@@ -104,7 +107,7 @@ def tail(path: pathlib.Path, n: int = 2500) -> str:
 def bench(args, out: pathlib.Path, work: pathlib.Path) -> dict:
     path = out / "bench.json"
     rc, secs, smi = run_logged("bench", [sys.executable, "-m", "characters_jax.cli", "bench", "--config", args.config, "--tp", "1",
-                                         "--steps", str(args.steps), "--json", str(path)], out, args.timeout)
+                                         "--steps", str(args.steps), "--json", str(path)], out, work, args.timeout)
     row = {"rc": rc, "seconds": round(secs, 1), "nvidia_smi": smi}
     if rc != 0 or not path.exists():
         return {**row, "error": tail(out / "bench.log")}
@@ -123,7 +126,7 @@ def bench(args, out: pathlib.Path, work: pathlib.Path) -> dict:
 def jax_side(args, out: pathlib.Path, work: pathlib.Path) -> dict:
     rc, secs, smi = run_logged("torch_step_jax", [sys.executable, "benchmarks/torch_step.py", "--config", args.config,
                                                   "--side", "jax", "--steps", "10", "--warmup", "2", "--out", str(work / "torch_step")],
-                               out, args.timeout)
+                               out, work, args.timeout)
     row = {"rc": rc, "seconds": round(secs, 1), "nvidia_smi": smi}
     path = work / "torch_step" / f"torch_step_{args.config}_tp1.json"
     if rc != 0 or not path.exists():
@@ -143,7 +146,7 @@ def serve(args, out: pathlib.Path, work: pathlib.Path) -> dict:
     row: dict = {}
     t0 = time.monotonic()
     try:
-        w = Worker(work / "serve", args.config, env=clean_env(), ready_timeout=args.timeout)
+        w = Worker(work / "serve", args.config, env=clean_env(work / "xla-serve"), ready_timeout=args.timeout)
     except AssertionError as err:
         shutil.copy(work / "serve" / "worker.log", out / "serve_worker.log")
         row.update(error=str(err)[-2500:], nvidia_smi=poller.stop())
