@@ -19,14 +19,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from serving_harness import png, speech
+from serving_stress import Aborted, FakeContext, IdleRequests, start_worker_process
 
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.admission import Admission, RpcLimits
 from characters_jax.serving.client import CharacterClient, start_request
 from characters_jax.serving.request_reader import RequestReader, first_request
-from serving_harness import png, speech
-from test_serving_health import Aborted, FakeContext, start_worker_process
+from characters_jax.serving.supervisor import terminate
 
 IDLE_STREAMS = 100
 DEADLINE_S = 3.0
@@ -111,20 +112,6 @@ def test_admission_counts_up_to_its_limit():
     assert "at most 2 at once (RpcLimits.max_character_rpcs)" in a.refusal
     with pytest.raises(ValueError, match="max_character_rpcs"):
         RpcLimits(max_character_rpcs=0)
-
-
-class IdleRequests:
-    """A request iterator that sends nothing until released (an idle client)."""
-
-    def __init__(self, release: threading.Event):
-        self._release = release
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self._release.wait()
-        raise StopIteration
 
 
 def test_idle_reflection_streams_starve_health_on_a_shared_pool():
@@ -224,12 +211,7 @@ def test_idle_streams_never_starve_health_and_are_refused_or_timed_out(tmp_path)
         release.set()
         streams.close()
         reflections.close()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except Exception:
-            proc.kill()
-        assert proc.returncode == 0, log_path.read_text()[-3000:]
+        assert terminate(proc, 20) == 0, log_path.read_text()[-3000:]
 
 
 def test_sigterm_ends_the_worker_whatever_its_streams_do(tmp_path):

@@ -13,13 +13,9 @@
 - /healthz: 200 while the gRPC server answers, 503 once it does not.
 """
 
-import json
-import pathlib
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -28,6 +24,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from serving_stress import Aborted, FakeContext, start_worker_process
 
 from characters_jax.config import load_config
 from characters_jax.serving.fakes import FakeWorker
@@ -36,37 +33,12 @@ from characters_jax.serving.liveness import GrpcLiveness
 from characters_jax.serving.metrics_http import MetricsHttpServer
 from characters_jax.serving.rpc_handlers import register
 from characters_jax.serving.rpc_pool import RpcPool
-from characters_jax.serving.server import child_env
 
 R = health_pb2.HealthCheckResponse
 SERVING, NOT_SERVING, UNKNOWN = R.SERVING, R.NOT_SERVING, R.SERVICE_UNKNOWN
-SCRIPT = pathlib.Path(__file__).with_name("fake_worker_process.py")
 CHURN_THREADS = 6
 PROBE_EVERY_S = 0.25
 CHECK_DEADLINE_S = 2.0  # "responsive": every Check answered within this
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    """What a servicer sees of an RPC: callbacks run when it ends (`end()`, as gRPC's event
-    thread does), abort raises."""
-
-    def __init__(self):
-        self.callbacks = []
-
-    def add_callback(self, callback) -> bool:
-        self.callbacks.append(callback)
-        return True
-
-    def end(self) -> None:
-        for callback in self.callbacks:
-            callback()
-
-    def abort(self, code, details):
-        raise Aborted(code, details)
 
 
 class Sends:
@@ -201,20 +173,6 @@ def test_watches_hold_no_thread_of_the_health_pool():
 
 
 # -- churn over processes ----------------------------------------------------------------------
-def start_worker_process(tmp_path: pathlib.Path, *args: str, ready_timeout: float = 60.0):
-    """fake_worker_process.py with args; returns (process, port, log path)."""
-    state = tmp_path / "state.json"
-    log_path = tmp_path / "worker.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--state-file", str(state), *args], env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while not state.exists():
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() - t0 < ready_timeout, "the worker process did not start"
-        time.sleep(0.05)
-    return proc, json.loads(state.read_text())["port"], log_path
-
-
 class WatchChurn:
     """Threads that each, until stopped: open a fresh channel, Watch the service, read its
     first status, cancel, close the channel."""
@@ -363,9 +321,10 @@ def test_healthz_probes_a_tls_worker_over_its_private_socket(tmp_path):
     import os
     import stat
 
+    from test_serving_auth import Pki, secure_worker
+
     from characters_jax.protos_gen import characters_pb2 as pb
     from characters_jax.protos_gen import characters_pb2_grpc
-    from test_serving_auth import Pki, secure_worker
 
     w = secure_worker(Pki(tmp_path))
     probe = GrpcLiveness(w.server.probe_target, timeout_s=1.0)

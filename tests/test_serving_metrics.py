@@ -23,6 +23,8 @@ import urllib.request
 
 import grpc
 import pytest
+from serving_harness import Recorder, png, poll, speech
+from serving_stress import IdleRequests
 
 from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
@@ -41,8 +43,6 @@ from characters_jax.serving.rpc_metrics import RpcMetricsInterceptor
 from characters_jax.serving.server import child_env
 from characters_jax.serving.supervisor import terminate
 from characters_jax.serving.worker import WorkerOptions
-from serving_harness import Recorder, png, poll, speech
-from test_serving_admission import IdleRequests
 
 CFG = load_config("tiny")
 TL = Timeline.from_config(CFG)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -44,7 +44,7 @@ _SERVING, _NOT_SERVING, _UNKNOWN = _R.SERVING, _R.NOT_SERVING, _R.SERVICE_UNKNOW
 class _Watcher:
     """One Watch stream: its service, its send callback and the statuses pending / sent."""
 
-    __slots__ = ("service", "send", "pending", "sent", "open")
+    __slots__ = ("open", "pending", "send", "sent", "service")
 
     def __init__(self, service: str, send: Callable, status: int):
         self.service, self.send = service, send

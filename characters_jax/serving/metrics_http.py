@@ -15,7 +15,7 @@ Liveness = Callable[[], tuple[bool, str]]
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002  (scrapes and probes are not logged)
+    def log_message(self, format, *args):
         pass
 
 

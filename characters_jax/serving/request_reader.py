@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import grpc
 
+from characters_jax.serving.admission import RpcLimits
+
 _ITEM, _END, _ERROR = "item", "end", "error"
 
 
@@ -99,8 +101,6 @@ def first_request(requests: Iterator, context):
     """A Converse stream's first request, read within the stream's first-request deadline
     (`RequestReader.first_timeout_s`; a plain iterator gets RpcLimits' default). Aborts
     with INVALID_ARGUMENT on an empty stream and DEADLINE_EXCEEDED when none comes in time."""
-    from characters_jax.serving.admission import RpcLimits
-
     reader = requests if isinstance(requests, RequestReader) else RequestReader(requests)
     timeout_s = reader.first_timeout_s if reader.first_timeout_s is not None else RpcLimits().first_request_timeout_s
     try:
