@@ -42,7 +42,7 @@ demo: protos
 
 # Regenerates the bundled portrait and speech clip (deterministic; committed).
 demo-assets: $(STAMP)
-	$(PY) -m characters_jax.serving.assets
+	$(PY) -m characters_jax.demo.assets
 
 bench-tiny: $(STAMP)
 	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --cache-mode ring --steps 50

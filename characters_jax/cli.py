@@ -14,7 +14,11 @@ import sys
 COMMAND_MODULES = (
     "characters_jax.measure.bench",  # bench
     "characters_jax.checkpoint",  # init-checkpoint
-    "characters_jax.serving.commands",  # serve, decode-serve, talk, demo
+    "characters_jax.serving.commands",  # serve
+    "characters_jax.decoder.commands",  # decode-serve
+    "characters_jax.client.commands",  # talk
+    "characters_jax.demo.commands",  # demo
+    "characters_jax.viewer.commands",  # view
     "characters_jax.numerics",  # numerics
     "characters_jax.data.commands",  # data
     "characters_jax.lipsync.commands",  # lipsync

@@ -22,7 +22,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from characters_jax.serving.health import SERVICE_NAME
+from characters_jax.wire.service import SERVICE_NAME
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -36,7 +36,7 @@ def worker_server(args):
     from characters_jax.serving.admission import RpcLimits
     from characters_jax.serving.conversation import Limits
     from characters_jax.serving.decoder_link import DecoderClient
-    from characters_jax.serving.fakes import FakeGenerator, FakeVaeRuntime
+    from characters_jax.demo.fakes import FakeGenerator, FakeVaeRuntime
     from characters_jax.serving.metrics import WorkerMetrics
     from characters_jax.serving.session import SlotBusy
     from characters_jax.serving.shutdown import SLACK_S, exit_after

@@ -17,9 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.client import CharacterClient
-from characters_jax.serving.server import SERVICE_NAME, child_env
-from characters_jax.serving.supervisor import terminate
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.processes import child_env
+from characters_jax.wire.service import SERVICE_NAME
+from characters_jax.processes import terminate
 
 
 def speech(seconds: float, seed: int = 0) -> np.ndarray:

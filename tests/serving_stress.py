@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from characters_jax.serving.server import child_env
+from characters_jax.processes import child_env
 
 SCRIPT = pathlib.Path(__file__).with_name("fake_worker_process.py")
 

@@ -30,7 +30,7 @@ def _run(packages, extra=""):
 
 
 def test_serving_engine_and_decoder_never_load_espeak():
-    r = _run(["characters_jax.serving", "characters_jax.engine", "characters_jax.decoder"])
+    r = _run(["characters_jax.serving", "characters_jax.client", "characters_jax.wire", "characters_jax.engine", "characters_jax.decoder"])
     assert "characters_jax.serving.server" in r["loaded"] and "characters_jax.engine.step" in r["loaded"]
     assert r["espeak_modules"] == [] and not r["libespeak_mapped"]
     assert r["speech_modules"] == []

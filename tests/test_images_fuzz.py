@@ -26,9 +26,9 @@ from PIL import Image
 
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving.fakes import FakeWorker
-from characters_jax.serving.health import SERVICE_NAME
-from characters_jax.serving.images import ImageError, ImageLimits, clean_detail, load_reference_image
+from characters_jax.demo.fakes import FakeWorker
+from characters_jax.wire.service import SERVICE_NAME
+from characters_jax.wire.images import ImageError, ImageLimits, clean_detail, load_reference_image
 from characters_jax.serving.worker import WorkerOptions
 from serving_harness import report_writer
 

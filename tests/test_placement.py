@@ -12,7 +12,7 @@ import pytest
 
 from characters_jax.config import ConfigError, load_config
 from characters_jax.serving import placement as pl
-from characters_jax.serving.server import child_env
+from characters_jax.processes import child_env
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -25,9 +25,9 @@ from serving_stress import Aborted, FakeContext, IdleRequests, start_worker_proc
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.admission import Admission, RpcLimits
-from characters_jax.serving.client import CharacterClient, start_request
+from characters_jax.client.character_client import CharacterClient, start_request
 from characters_jax.serving.request_reader import RequestReader, first_request
-from characters_jax.serving.supervisor import terminate
+from characters_jax.processes import terminate
 
 IDLE_STREAMS = 100
 DEADLINE_S = 3.0

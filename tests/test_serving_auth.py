@@ -1,10 +1,10 @@
 """TLS, client certificates and bearer tokens, in-process over loopback with the fake generator
-and decoder (serving/fakes.py), and the decoder link kept on this machine.
+and decoder (demo/fakes.py), and the decoder link kept on this machine.
 
 Every certificate is made here, in a temporary directory (a CA, the workers' certificate for
 localhost and 127.0.0.1, a client certificate, an expired one, one from a foreign CA); no
 key or certificate is in the repository. The workers run with
-credentials.worker_transport, the code behind `serve --tls-cert/--tls-key/--tls-client-ca
+tls.worker_transport, the code behind `serve --tls-cert/--tls-key/--tls-client-ca
 --auth-tokens`; clients use the library's ClientCredentials, loaded from the TOML file that
 `talk` and `view` take.
 """
@@ -25,12 +25,14 @@ import pytest
 from characters_jax.audio.pcm import write_wav
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving import client as cl
-from characters_jax.serving.auth import bearer_token, parse_tokens
-from characters_jax.serving.credentials import (ClientCredentials, certificate_validity, load_client_credentials,
-                                                worker_transport)
-from characters_jax.serving.fakes import FakeWorker
-from characters_jax.serving.server import child_env
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.wire.service import SERVICE_NAME
+from characters_jax.client.credentials import ClientCredentials, load_client_credentials
+from characters_jax.serving.auth import bearer_token
+from characters_jax.serving.tls import worker_transport
+from characters_jax.wire.credential_files import certificate_validity, parse_tokens
+from characters_jax.demo.fakes import FakeWorker
+from characters_jax.processes import child_env
 from serving_harness import png, speech
 
 x509 = pytest.importorskip("cryptography.x509", reason="making test certificates needs the cryptography package (the view extra brings it)")
@@ -147,7 +149,7 @@ def health_check(channel, service: str = "") -> str:
 
 # -- end to end ---------------------------------------------------------------------------------
 def test_a_session_over_mutual_tls_with_a_token(pki, worker):
-    with cl.CharacterClient(worker.address, credentials=pki.credentials()) as c:
+    with CharacterClient(worker.address, credentials=pki.credentials()) as c:
         created = c.create_session(png())
         res = c.converse(created.session_id, speech(0.5), realtime=False)
         opened = c.converse(None, speech(0.3), image=png(seed=1), realtime=True, fps=SPEED * 24)
@@ -157,7 +159,7 @@ def test_a_session_over_mutual_tls_with_a_token(pki, worker):
 
 
 def test_the_viewer_link_uses_the_credentials(pki, worker):
-    from characters_jax.serving.view_link import WorkerLink
+    from characters_jax.viewer.link import WorkerLink
 
     async def run():
         link = WorkerLink(worker.address, pki.credentials())
@@ -171,7 +173,7 @@ def test_the_viewer_link_uses_the_credentials(pki, worker):
 
 
 def test_talk_passes_its_credentials_file(pki, worker, tmp_path, capsys):
-    from characters_jax.serving.talk import talk_command
+    from characters_jax.client.talk import talk_command
 
     (tmp_path / "face.png").write_bytes(png())
     write_wav(tmp_path / "speech.wav", speech(0.5))
@@ -192,14 +194,14 @@ def test_talk_passes_its_credentials_file(pki, worker, tmp_path, capsys):
 # -- refusals -----------------------------------------------------------------------------------
 def test_a_wrong_or_absent_token_is_unauthenticated(pki, worker):
     for token, needle in ((None, "no bearer token"), ("other_token", "not accepted")):
-        with cl.CharacterClient(worker.address, credentials=pki.credentials(token=token)) as c:
+        with CharacterClient(worker.address, credentials=pki.credentials(token=token)) as c:
             for name, call in (("CreateSession", lambda: c.create_session(png())),
                                ("Converse", lambda: c.conversation(image=png()).wait_open()),
                                ("GetSession", lambda: c.get_session("x"))):
                 code, details = status_of(call)
                 assert code == grpc.StatusCode.UNAUTHENTICATED and needle in details, (token, name, code, details)
                 assert OTHER_TOKEN not in details
-    with cl.CharacterClient(worker.address, credentials=pki.credentials()) as c:  # the positive control
+    with CharacterClient(worker.address, credentials=pki.credentials()) as c:  # the positive control
         assert status_of(lambda: c.get_session("x"))[0] == grpc.StatusCode.NOT_FOUND
 
 
@@ -211,10 +213,10 @@ def test_reflection_needs_the_token_and_health_does_not(pki, worker):
         return [r.list_services_response for r in reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(iter([req]), timeout=5)]
 
     with pki.raw_channel(worker.address) as ch:  # a client certificate, no token
-        assert health_check(ch) == "SERVING" and health_check(ch, cl.SERVICE_NAME) == "SERVING"
+        assert health_check(ch) == "SERVING" and health_check(ch, SERVICE_NAME) == "SERVING"
         code, details = status_of(lambda: list_services(ch))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "no bearer token" in details
-    with cl.CharacterClient(worker.address, credentials=pki.credentials()) as c:
+    with CharacterClient(worker.address, credentials=pki.credentials()) as c:
         names = [s.name for s in list_services(c.channel)[0].service]
     assert "characters.v1.CharacterService" in names
 
@@ -229,10 +231,10 @@ def test_mutual_tls_refuses_a_missing_foreign_or_expired_client_certificate(pki,
     with pki.raw_channel(worker.address) as ch:  # the positive control: the CA's client certificate
         assert health_check(ch) == "SERVING"
     # the library refuses to present an expired certificate, with the reason
-    code, details = status_of(lambda: cl.CharacterClient(worker.address, credentials=pki.credentials(cert="expired")))
+    code, details = status_of(lambda: CharacterClient(worker.address, credentials=pki.credentials(cert="expired")))
     assert code == grpc.StatusCode.UNAUTHENTICATED and "client certificate expired at" in details
     # without a client certificate the library's call is refused too
-    with cl.CharacterClient(worker.address, credentials=pki.credentials(cert=None)) as c:
+    with CharacterClient(worker.address, credentials=pki.credentials(cert=None)) as c:
         assert status_of(lambda: c.get_session("x"))[0] == grpc.StatusCode.UNAVAILABLE
 
 
@@ -242,7 +244,7 @@ def test_the_token_file_is_reloaded_when_it_changes(pki, tmp_path):
     w = secure_worker(pki, client_ca=False, tokens=str(tokens))
     try:
         def code_with(token_file):
-            with cl.CharacterClient(w.address, credentials=pki.credentials(cert=None, token=token_file)) as c:
+            with CharacterClient(w.address, credentials=pki.credentials(cert=None, token=token_file)) as c:
                 return status_of(lambda: c.get_session("x"))[0]
 
         def replace(text):
@@ -275,7 +277,7 @@ def test_six_clients_on_three_workers_over_tls_with_tokens(pki):
 
     def one(i):
         try:
-            with cl.CharacterClient(target, credentials=credentials) as c:
+            with CharacterClient(target, credentials=credentials) as c:
                 res = c.converse(None, speech(0.4, seed=i), image=png(seed=i), realtime=True, fps=SPEED * 24)
             spans.append((res.session.worker_id, res.open_time, res.recv_times[-1], res.final_event.state))
         except grpc.RpcError as err:
@@ -287,7 +289,7 @@ def test_six_clients_on_three_workers_over_tls_with_tokens(pki):
             t.start()
         for t in threads:
             t.join(60)
-        with cl.CharacterClient(f"dns:///localhost:{workers[0].server.port}", credentials=credentials) as c:  # a DNS target
+        with CharacterClient(f"dns:///localhost:{workers[0].server.port}", credentials=credentials) as c:  # a DNS target
             by_name = c.converse(None, speech(0.2), image=png(), realtime=False)
     finally:
         for w in workers:
@@ -342,7 +344,7 @@ def test_certificate_dates_match_the_cryptography_package(pki):
 
 # -- the decoder link stays on this machine -----------------------------------------------------
 def test_the_decoder_link_refuses_addresses_off_this_machine(tmp_path):
-    from characters_jax.serving.decoder_link import require_loopback
+    from characters_jax.decoder.address import require_loopback
 
     for ok in ("unix:/tmp/decoder.sock", "127.0.0.1:50052", "[::1]:1", "localhost:2"):
         assert require_loopback(ok) == ok

@@ -4,8 +4,8 @@ import json
 import subprocess
 import sys
 
-from characters_jax.serving.mp4 import probe_mp4
-from characters_jax.serving.server import child_env
+from characters_jax.client.mp4 import probe_mp4
+from characters_jax.processes import child_env
 
 
 def test_demo_writes_the_mp4_and_report(tmp_path):

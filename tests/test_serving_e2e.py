@@ -21,9 +21,10 @@ import pytest
 from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving import client as cl
-from characters_jax.serving.playout import PlayoutClock
-from characters_jax.serving.server import child_env
+from characters_jax.client.requests import interrupt_request, start_request
+from characters_jax.wire.service import PCM_FORMAT
+from characters_jax.client.playout_clock import PlayoutClock
+from characters_jax.processes import child_env
 from serving_harness import Recorder, Worker, png, poll, speech, timeline_of
 
 CFG = load_config("tiny")
@@ -194,7 +195,7 @@ def test_twenty_sessions_do_not_grow_programs_or_memory(worker):
 
 def test_talk_command(worker, tmp_path):
     from characters_jax.audio.pcm import write_wav
-    from characters_jax.serving.mp4 import probe_mp4
+    from characters_jax.client.mp4 import probe_mp4
 
     (tmp_path / "face.png").write_bytes(png())
     write_wav(tmp_path / "ok.wav", speech(0.5))
@@ -308,12 +309,12 @@ def test_idle_timeout_and_max_duration_end_sessions_on_time(worker):
 
 
 def test_bad_conversation_requests_get_clear_statuses(worker):
-    create = cl.start_request(image=png())
+    create = start_request(image=png())
     for requests, code, needle in (
-        ([cl.interrupt_request()], grpc.StatusCode.FAILED_PRECONDITION, "interrupt outside a session"),
+        ([interrupt_request()], grpc.StatusCode.FAILED_PRECONDITION, "interrupt outside a session"),
         ([create, create], grpc.StatusCode.FAILED_PRECONDITION, "a second start"),
-        ([pb.ConverseRequest(start=pb.ConverseRequest.Start(audio_format=cl.PCM_FORMAT))], grpc.StatusCode.INVALID_ARGUMENT, "needs a session_id"),
-        ([cl.start_request(image=b"")], grpc.StatusCode.INVALID_ARGUMENT, "image: empty"),
+        ([pb.ConverseRequest(start=pb.ConverseRequest.Start(audio_format=PCM_FORMAT))], grpc.StatusCode.INVALID_ARGUMENT, "needs a session_id"),
+        ([start_request(image=b"")], grpc.StatusCode.INVALID_ARGUMENT, "image: empty"),
     ):
         call = worker.client.stub.Converse(iter(requests), timeout=20)
         with pytest.raises(grpc.RpcError) as e:

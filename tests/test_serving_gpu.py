@@ -17,7 +17,7 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving import placement
-from characters_jax.serving.server import child_env
+from characters_jax.processes import child_env
 from serving_harness import Worker, png, report_writer, speech
 
 pytestmark = pytest.mark.gpu

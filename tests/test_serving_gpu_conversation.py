@@ -17,8 +17,8 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving import placement
-from characters_jax.serving.playout import PlayoutClock
-from characters_jax.serving.server import child_env
+from characters_jax.client.playout_clock import PlayoutClock
+from characters_jax.processes import child_env
 from serving_harness import Recorder, Worker, png, poll, report_writer, speech
 
 K = pb.SpeechEvent

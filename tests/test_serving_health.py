@@ -27,8 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from serving_stress import Aborted, FakeContext, start_worker_process
 
 from characters_jax.config import load_config
-from characters_jax.serving.fakes import FakeWorker
-from characters_jax.serving.health import SERVICE_NAME, HealthService
+from characters_jax.demo.fakes import FakeWorker
+from characters_jax.serving.health import HealthService
+from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.serving.liveness import GrpcLiveness
 from characters_jax.serving.metrics_http import MetricsHttpServer
 from characters_jax.serving.rpc_handlers import register

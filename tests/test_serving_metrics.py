@@ -1,6 +1,6 @@
 """The metrics an operator alerts on each move, and every listener binds where it is told.
 
-In-process (the fake model, serving/fakes.py): a conversation moves the session metrics
+In-process (the fake model, demo/fakes.py): a conversation moves the session metrics
 (first frame, fps while running and 0 when idle, the health gauge, queued speech, silence
 inserted into a late segment, the end reason); RPC errors by method and code (the worker's
 bad input, and a toy service for UNKNOWN, UNIMPLEMENTED and a stream's error); the pool and
@@ -31,17 +31,17 @@ from characters_jax.config import load_config
 from characters_jax.decoder.service import start_decoder_server
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving.client import CharacterClient
+from characters_jax.client.character_client import CharacterClient
 from characters_jax.serving.decoder_link import DecoderClient
-from characters_jax.serving.fakes import FakeVaeRuntime, FakeWorker
-from characters_jax.serving.health import SERVICE_NAME
+from characters_jax.demo.fakes import FakeVaeRuntime, FakeWorker
+from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.metrics_http import MetricsHttpServer
-from characters_jax.serving.playout import PlayoutClock
+from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.serving.rpc_handlers import register
 from characters_jax.serving.rpc_metrics import RpcMetricsInterceptor
-from characters_jax.serving.server import child_env
-from characters_jax.serving.supervisor import terminate
+from characters_jax.processes import child_env
+from characters_jax.processes import terminate
 from characters_jax.serving.worker import WorkerOptions
 
 CFG = load_config("tiny")

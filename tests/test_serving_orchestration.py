@@ -1,5 +1,5 @@
 """The worker's orchestration in-process, over loopback gRPC, with the fake generator and
-decoder (serving/fakes.py): no model, so a conversation runs at a multiple of real time
+decoder (demo/fakes.py): no model, so a conversation runs at a multiple of real time
 (the client's playout clock at SPEED x 24 fps paces the worker, speech is sent SPEED times
 faster than it plays).
 
@@ -21,9 +21,13 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving import client as cl
-from characters_jax.serving.fakes import FakeWorker
-from characters_jax.serving.playout import PlayoutClock
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.client.requests import END_OF_AUDIO, audio_request, interrupt_request, start_request
+from characters_jax.client.stream import AsyncConversation, Conversation
+from characters_jax.client.targets import aio_channel, parse_target
+from characters_jax.wire.service import PCM_FORMAT, SERVICE_NAME
+from characters_jax.demo.fakes import FakeWorker
+from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.serving.worker import WorkerOptions
 from serving_harness import Recorder, png, speech, timeline_of
 
@@ -42,12 +46,12 @@ def worker():
 
 @pytest.fixture
 def client(worker):
-    c = cl.CharacterClient(worker.address)
+    c = CharacterClient(worker.address)
     yield c
     c.close()
 
 
-def health(address, service=cl.SERVICE_NAME):
+def health(address, service=SERVICE_NAME):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as ch:
@@ -148,8 +152,8 @@ def test_the_asyncio_conversation_speaks_and_is_interrupted(worker):
     import asyncio
 
     async def run():
-        channel, _ = cl.aio_channel(worker.address)
-        conv = cl.AsyncConversation.open(channel, cl.start_request(image=png(), playout_reports=False), balanced=False)
+        channel, _ = aio_channel(worker.address)
+        conv = AsyncConversation.open(channel, start_request(image=png(), playout_reports=False), balanced=False)
         items, sent_interrupt, after_ack = [], False, None
         async for item in conv:
             items.append(item)
@@ -209,18 +213,18 @@ def converse_raw(address, requests, timeout=10):
 
 
 def test_bad_requests_get_clear_statuses_and_the_worker_stays_healthy(worker, client):
-    create = cl.start_request(image=png())
+    create = start_request(image=png())
     cases = [
         ([], grpc.StatusCode.INVALID_ARGUMENT, "stream was empty"),
-        ([cl.interrupt_request()], grpc.StatusCode.FAILED_PRECONDITION, "interrupt outside a session"),
-        ([pb.ConverseRequest(start=pb.ConverseRequest.Start(audio_format=cl.PCM_FORMAT))], grpc.StatusCode.INVALID_ARGUMENT, "needs a session_id"),
-        ([cl.start_request(image=b"")], grpc.StatusCode.INVALID_ARGUMENT, "image: empty"),
-        ([cl.start_request(image=png(), limits=pb.SessionLimits(max_duration_s=-1))], grpc.StatusCode.INVALID_ARGUMENT, "limits.max_duration_s"),
-        ([cl.start_request(session_id="nope")], grpc.StatusCode.NOT_FOUND, "not found"),
+        ([interrupt_request()], grpc.StatusCode.FAILED_PRECONDITION, "interrupt outside a session"),
+        ([pb.ConverseRequest(start=pb.ConverseRequest.Start(audio_format=PCM_FORMAT))], grpc.StatusCode.INVALID_ARGUMENT, "needs a session_id"),
+        ([start_request(image=b"")], grpc.StatusCode.INVALID_ARGUMENT, "image: empty"),
+        ([start_request(image=png(), limits=pb.SessionLimits(max_duration_s=-1))], grpc.StatusCode.INVALID_ARGUMENT, "limits.max_duration_s"),
+        ([start_request(session_id="nope")], grpc.StatusCode.NOT_FOUND, "not found"),
         ([create, create], grpc.StatusCode.FAILED_PRECONDITION, "a second start"),
-        ([create, cl.END_OF_AUDIO, cl.audio_request(np.ones(10, np.int16))], grpc.StatusCode.INVALID_ARGUMENT, "audio after end_of_audio"),
-        ([create, cl.audio_request(b"\x01\x02\x03")], grpc.StatusCode.INVALID_ARGUMENT, "whole number"),
-        ([create, cl.audio_request(np.ones(21 * 16000, np.int16))], grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
+        ([create, END_OF_AUDIO, audio_request(np.ones(10, np.int16))], grpc.StatusCode.INVALID_ARGUMENT, "audio after end_of_audio"),
+        ([create, audio_request(b"\x01\x02\x03")], grpc.StatusCode.INVALID_ARGUMENT, "whole number"),
+        ([create, audio_request(np.ones(21 * 16000, np.int16))], grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit"),
     ]
     for requests, code, needle in cases:
         out, got, details = converse_raw(worker.address, requests)
@@ -239,7 +243,7 @@ def test_bad_requests_get_clear_statuses_and_the_worker_stays_healthy(worker, cl
 
 
 def test_a_client_that_goes_away_frees_the_worker(worker):
-    c = cl.CharacterClient(worker.address)
+    c = CharacterClient(worker.address)
     conv = c.conversation(image=png(), playout=PlayoutClock(24))
     session = conv.wait_open()
     next(iter(conv))
@@ -247,13 +251,13 @@ def test_a_client_that_goes_away_frees_the_worker(worker):
     c.close()  # the channel goes: no cancel sent by the library
     wait_idle(worker.address, timeout=1.0)
     assert time.monotonic() - t0 < 1.0
-    with cl.CharacterClient(worker.address) as c2:
+    with CharacterClient(worker.address) as c2:
         rec = c2.get_session(session.session_id, session_token=session.session_token)
     assert rec.state == pb.CANCELLED and rec.end_reason == pb.CLIENT_GONE
 
 
 def test_drain_lets_the_live_session_finish_and_refuses_new_ones():
-    with FakeWorker(CFG) as w, cl.CharacterClient(w.address) as c:
+    with FakeWorker(CFG) as w, CharacterClient(w.address) as c:
         conv = c.conversation(image=png(), playout=PlayoutClock(SPEED * 24, prebuffer_frames=8))
         rec = Recorder(conv)
         rec.wait(lambda: len(rec.chunks) >= 2)
@@ -264,14 +268,14 @@ def test_drain_lets_the_live_session_finish_and_refuses_new_ones():
         while health(w.address, "") != "NOT_SERVING":
             assert time.monotonic() - t0 < 1.0
         assert health(w.address) == "NOT_SERVING"
-        _, code, details = converse_raw(w.address, [cl.start_request(image=png())])
+        _, code, details = converse_raw(w.address, [start_request(image=png())])
         assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
         rec.send_speech(speech(0.5), SPEED)
         conv.end_audio()
         rec.join()
         drainer.join(5)
         assert outcome == ["finished"] and conv.final.state == pb.COMPLETED
-    with FakeWorker(CFG) as w, cl.CharacterClient(w.address) as c:
+    with FakeWorker(CFG) as w, CharacterClient(w.address) as c:
         conv = c.conversation(image=png(), playout=PlayoutClock(24))
         rec = Recorder(conv)
         rec.wait(lambda: len(rec.chunks) >= 1)
@@ -290,9 +294,9 @@ def test_the_balanced_channel_checks_health_on_the_client():
     grpc's client-side health checking switched off reaches A too."""
     a, b = FakeWorker(CFG), FakeWorker(CFG)
     try:
-        with cl.CharacterClient(a.address) as direct:
+        with CharacterClient(a.address) as direct:
             held = direct.create_session(png())
-        target = cl.parse_target(f"{a.address},{b.address}")
+        target = parse_target(f"{a.address},{b.address}")
 
         def found(options) -> list[bool]:
             with grpc.insecure_channel(target.uri, options=options) as ch:
@@ -323,7 +327,7 @@ def test_a_balanced_client_places_sessions_on_idle_workers_only():
 
     def one(i):
         try:
-            with cl.CharacterClient(target) as c:
+            with CharacterClient(target) as c:
                 res = c.converse(None, speech(0.5, seed=i), image=png(seed=i), realtime=True, fps=SPEED * 24)
             spans.append((res.session.worker_id, res.open_time, res.recv_times[-1], res.final_event.state))
         except grpc.RpcError as err:
@@ -353,14 +357,14 @@ def test_a_refused_conversation_opens_again_until_its_timeout(worker, client):
     worker takes it or open_timeout passes."""
     blocker = client.create_session(png())
     threading.Timer(0.6, client.close_session, args=(blocker.session_id,)).start()
-    conv = cl.Conversation(client.stub, cl.start_request(image=png()), wait_for_ready=False, open_timeout=5.0, reopen=True)
+    conv = Conversation(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=5.0, reopen=True)
     t0 = time.monotonic()
     session = conv.wait_open()
     assert session.state == pb.RUNNING and conv.attempts >= 2 and time.monotonic() - t0 >= 0.55
     conv.close()
     wait_idle(worker.address)
     blocker = client.create_session(png())
-    conv = cl.Conversation(client.stub, cl.start_request(image=png()), wait_for_ready=False, open_timeout=0.8, reopen=True)
+    conv = Conversation(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=0.8, reopen=True)
     with pytest.raises(grpc.RpcError) as e:
         conv.wait_open()
     assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED) and time.monotonic() - t0 < 8
@@ -371,7 +375,7 @@ def test_a_refused_conversation_opens_again_until_its_timeout(worker, client):
 def test_a_live_stream_outlives_the_connection_age_limit():
     """max_connection_age closes connections for new calls (clients re-resolve); the stream
     in flight goes on to its end."""
-    with FakeWorker(CFG, WorkerOptions(max_connection_age_s=0.3)) as w, cl.CharacterClient(w.address) as c:
+    with FakeWorker(CFG, WorkerOptions(max_connection_age_s=0.3)) as w, CharacterClient(w.address) as c:
         res = c.converse(None, speech(0.8), image=png(), realtime=True)
         again = c.converse(None, speech(0.2), image=png(), realtime=False)
     assert res.final_event.state == pb.COMPLETED and len(res.chunks) == TL.steps_for(int(0.8 * 16000))
@@ -380,7 +384,7 @@ def test_a_live_stream_outlives_the_connection_age_limit():
 
 def test_a_chunk_larger_than_a_fixed_limit_streams():
     big = CFG.replace(video={"height": 1088, "width": 1920})  # one chunk ~25 MB
-    with FakeWorker(big) as w, cl.CharacterClient(w.address) as c:
+    with FakeWorker(big) as w, CharacterClient(w.address) as c:
         res = c.converse(None, speech(0.2), image=png(), realtime=False)
     assert res.final_event.state == pb.COMPLETED and len(res.chunks) == 2
     assert len(res.chunks[0].frames[0]) == 1088 * 1920 * 3

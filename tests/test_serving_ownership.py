@@ -1,5 +1,5 @@
 """Sessions only their creator can touch, in-process over loopback with the fake generator and
-decoder (serving/fakes.py).
+decoder (demo/fakes.py).
 
 The hijack sequence: while one client's session runs, a second client asks for a session,
 reads the refusal, and tries GetSession, CloseSession and Converse with the running
@@ -16,10 +16,11 @@ import pytest
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving import client as cl
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.client.requests import start_request
 from characters_jax.serving.conversation import Limits
-from characters_jax.serving.fakes import FakeWorker
-from characters_jax.serving.playout import PlayoutClock
+from characters_jax.demo.fakes import FakeWorker
+from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.serving.session import SessionTable
 from serving_harness import Recorder, png, speech
 
@@ -43,11 +44,11 @@ def code_and_details(call) -> tuple[grpc.StatusCode, str]:
 
 
 def converse_with_id(stub, session_id: str, token: str = ""):
-    return lambda: list(stub.Converse(iter([cl.start_request(session_id=session_id, session_token=token)]), timeout=10))
+    return lambda: list(stub.Converse(iter([start_request(session_id=session_id, session_token=token)]), timeout=10))
 
 
 def test_a_second_client_cannot_touch_a_running_session(worker):
-    owner, intruder = cl.CharacterClient(worker.address), cl.CharacterClient(worker.address)
+    owner, intruder = CharacterClient(worker.address), CharacterClient(worker.address)
     try:
         conv = owner.conversation(image=png(), playout=PlayoutClock(SPEED * 24, prebuffer_frames=8))
         session = conv.wait_open()
@@ -93,7 +94,7 @@ def test_a_second_client_cannot_touch_a_running_session(worker):
 
 
 def test_the_token_is_the_credential_of_a_created_session(worker):
-    with cl.CharacterClient(worker.address) as owner, cl.CharacterClient(worker.address) as other:
+    with CharacterClient(worker.address) as owner, CharacterClient(worker.address) as other:
         created = owner.create_session(png())
         assert created.state == pb.READY and created.session_token
         assert other.get_session(created.session_id, session_token=created.session_token).state == pb.READY  # whoever holds it
@@ -114,7 +115,7 @@ def test_the_token_is_the_credential_of_a_created_session(worker):
 
 def test_tokens_never_reach_the_log(worker, caplog):
     with caplog.at_level(logging.DEBUG, logger="characters_jax"):
-        with cl.CharacterClient(worker.address) as c:
+        with CharacterClient(worker.address) as c:
             created = c.create_session(png())
             res = c.converse(created.session_id, speech(0.2), realtime=False)
             opened = c.converse(None, speech(0.2), image=png(), realtime=False)

@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.client import CharacterClient
-from characters_jax.serving.playout import PlayoutClock
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.client.playout_clock import PlayoutClock
 from serving_harness import Recorder, Worker, png, poll, speech
 
 

@@ -12,14 +12,15 @@ from PIL import Image
 
 from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.channel_options import chunk_message_bytes, worker_server_options
-from characters_jax.serving.client import parse_target
+from characters_jax.wire.channel_options import chunk_message_bytes, worker_server_options
+from characters_jax.client.character_client import parse_target
 from characters_jax.serving.conversation import Limits, PlaybackClock
-from characters_jax.serving.health import SERVICE_NAME, WorkerHealth
+from characters_jax.serving.health import WorkerHealth
+from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.serving.worker import WorkerOptions, resolve_limits
 
-from characters_jax.serving.images import ImageError, ImageLimits, load_reference_image
-from characters_jax.serving.playout import PlayoutClock
+from characters_jax.wire.images import ImageError, ImageLimits, load_reference_image
+from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.serving.session import SessionTable, SlotBusy
 from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
 

@@ -36,9 +36,9 @@ aiohttp = pytest.importorskip("aiohttp", reason="the viewer needs aiohttp and ai
 pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiortc (see pyproject's view extra)")
 
 from characters_jax.audio.pcm import read_wav  # noqa: E402
-from characters_jax.serving import assets  # noqa: E402
-from characters_jax.serving.server import child_env  # noqa: E402
-from characters_jax.serving.supervisor import terminate  # noqa: E402
+from characters_jax.demo import assets  # noqa: E402
+from characters_jax.processes import child_env  # noqa: E402
+from characters_jax.processes import terminate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "chromium-headless-shell")) if p), None)
@@ -176,7 +176,7 @@ def worker_serving(address: str) -> str:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from characters_jax.serving.server import SERVICE_NAME
+    from characters_jax.wire.service import SERVICE_NAME
 
     with grpc.insecure_channel(address) as ch:
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
@@ -186,7 +186,7 @@ def worker_serving(address: str) -> str:
 def mp4_path_click_latency(address: str, seconds_periods: int = 2) -> dict:
     """The same clicks through the MP4 path's client at real-time pace: per click, the time
     from sending the audio that holds it to receiving the chunk whose frames carry it."""
-    from characters_jax.serving.client import CharacterClient
+    from characters_jax.client.character_client import CharacterClient
 
     pcm, clicks = click_track(16000, seconds_periods)
     with CharacterClient(address) as client:

@@ -17,10 +17,10 @@ pytest.importorskip("aiortc", reason="the viewer needs aiortc (see pyproject's v
 
 from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
 
-from characters_jax.serving import assets  # noqa: E402
-from characters_jax.serving.fakes import FakeWorker  # noqa: E402
-from characters_jax.serving.view import BridgeOptions, Gateway, RemoteWorker, serve_gateway  # noqa: E402
-from characters_jax.serving.view_ice import gather_on  # noqa: E402
+from characters_jax.demo import assets  # noqa: E402
+from characters_jax.demo.fakes import FakeWorker  # noqa: E402
+from characters_jax.viewer.gateway import BridgeOptions, Gateway, RemoteWorker, serve_gateway  # noqa: E402
+from characters_jax.viewer.ice import gather_on  # noqa: E402
 from characters_jax.serving.worker import WorkerOptions  # noqa: E402
 from test_view_browser import worker_serving  # noqa: E402
 

@@ -3,7 +3,7 @@ for a foreign Host (DNS rebinding), a post from a foreign Origin or with none (/
 offer sent as text/plain (a form or fetch with no CORS preflight); it takes the page's own
 requests; and /image answers a bad image with 400 and its message, decoded off the event loop.
 
-The rules on their own (view_guard.check_request), then over HTTP against a running gateway
+The rules on their own (viewer/guard.py: check_request), then over HTTP against a running gateway
 whose worker is the fakes' (a good offer opens a session)."""
 
 import asyncio
@@ -22,11 +22,12 @@ pytest.importorskip("aiortc", reason="the viewer needs aiortc (see pyproject's v
 
 from aiortc import RTCConfiguration, RTCPeerConnection  # noqa: E402
 
-from characters_jax.serving import assets, view  # noqa: E402
-from characters_jax.serving.fakes import FakeWorker  # noqa: E402
-from characters_jax.serving.view import BridgeOptions, Gateway, RemoteWorker, serve_gateway  # noqa: E402
-from characters_jax.serving.view_guard import RouteRules, check_request  # noqa: E402
-from characters_jax.serving.view_ice import gather_on  # noqa: E402
+from characters_jax.demo import assets  # noqa: E402
+from characters_jax.viewer import gateway as gateway_module  # noqa: E402
+from characters_jax.demo.fakes import FakeWorker  # noqa: E402
+from characters_jax.viewer.gateway import BridgeOptions, Gateway, RemoteWorker, serve_gateway  # noqa: E402
+from characters_jax.viewer.guard import RouteRules, check_request  # noqa: E402
+from characters_jax.viewer.ice import gather_on  # noqa: E402
 from characters_jax.serving.worker import WorkerOptions  # noqa: E402
 
 PORT = 8123
@@ -192,8 +193,8 @@ def test_bad_images_get_400_with_the_message_decoded_off_the_event_loop(monkeypa
         threads.append(threading.current_thread())
         return decode(*args)
 
-    decode = view.load_reference_image
-    monkeypatch.setattr(view, "load_reference_image", recording)
+    decode = gateway_module.load_reference_image
+    monkeypatch.setattr(gateway_module, "load_reference_image", recording)
 
     async def body(http, url, gateway):
         loop_thread = threading.current_thread()

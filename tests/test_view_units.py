@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiortc (see pyproject's view extra)")
 
 from characters_jax.audio.timeline import Timeline  # noqa: E402
-from characters_jax.serving.view_bridge import frame_peaks  # noqa: E402
-from characters_jax.serving.view_ice import OfferError, gather_on, loopback_offer  # noqa: E402
-from characters_jax.serving.view_media import MicResampler, Playout, PlayoutEnded, Upsampler  # noqa: E402
+from characters_jax.viewer.bridge import frame_peaks  # noqa: E402
+from characters_jax.viewer.ice import OfferError, gather_on, loopback_offer  # noqa: E402
+from characters_jax.viewer.media import MicResampler, Playout, PlayoutEnded, Upsampler  # noqa: E402
 
 SEED = 20261204
 

@@ -84,7 +84,7 @@ def run_bench(args) -> dict:
     from characters_jax.measure.upkeep import cache_upkeep, step_flops, upkeep_inputs
     from characters_jax.model.params import count_params
     from characters_jax.parallel.sharding import make_mesh
-    from characters_jax.serving.metrics import device_memory
+    from characters_jax.device_memory import device_memory
     from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes, size_generator_pool
 
     cfg = with_engine_arguments(load_config(args.config), args)

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+
 import grpc
 
-from characters_jax.serving.rpc_handlers import WatchedResponses, behavior_of, with_behavior
+from characters_jax.serving.rpc_handlers import (
+    WatchedResponses,
+    behavior_of,
+    with_behavior,
+)
 
 
 @dataclasses.dataclass(frozen=True)

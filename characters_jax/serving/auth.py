@@ -26,37 +26,11 @@ import threading
 import grpc
 
 from characters_jax.serving.rpc_handlers import with_behavior
+from characters_jax.wire.credential_files import read_tokens
 
 log = logging.getLogger("characters_jax.serving.auth")
 
-MIN_TOKEN_CHARS = 16
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)  # reachable without a token
-
-
-def parse_tokens(text: str, source: str) -> list[str]:
-    """The tokens of a token file's text. Raises ValueError naming the line of a bad one
-    (never its content)."""
-    tokens = []
-    for n, line in enumerate(text.splitlines(), 1):
-        token = line.split("#", 1)[0].strip()
-        if not token:
-            continue
-        if len(token.split()) != 1 or len(token) < MIN_TOKEN_CHARS:
-            raise ValueError(f"{source}, line {n}: a token is one word of at least {MIN_TOKEN_CHARS} characters")
-        tokens.append(token)
-    return tokens
-
-
-def read_tokens(path: str) -> list[str]:
-    """The tokens of the file at `path` (at least one). Raises ValueError."""
-    try:
-        text = open(path, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"token file {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
-    tokens = parse_tokens(text, f"token file {path}")
-    if not tokens:
-        raise ValueError(f"token file {path}: holds no token")
-    return tokens
 
 
 def _digest(token: str) -> bytes:

@@ -1,45 +1,16 @@
-"""CLI sub-commands of the service: serve, decode-serve, talk, demo, view."""
+"""CLI sub-command of the generator worker: serve."""
 
 from __future__ import annotations
 
 from characters_jax.config import add_engine_arguments
 
-CREDENTIALS_HELP = ("TLS and a bearer token for the workers: a TOML file with ca, cert, key, token_file, server_name "
-                    "(paths relative to it; all optional); without it the connection is plaintext")
-
 
 def _serve(args) -> int:
-    from characters_jax.serving.logs import setup_logging
+    from characters_jax.logs import setup_logging
     from characters_jax.serving.server import run_worker
 
     setup_logging("worker", args.log_level)
     return run_worker(args)
-
-
-def _decode_serve(args) -> int:
-    from characters_jax.serving.logs import setup_logging
-    from characters_jax.serving.server import run_decoder
-
-    setup_logging("decoder", args.log_level)
-    return run_decoder(args)
-
-
-def _talk(args) -> int:
-    from characters_jax.serving.talk import talk_command
-
-    return talk_command(args)
-
-
-def _demo(args) -> int:
-    from characters_jax.serving.demo import demo_command
-
-    return demo_command(args)
-
-
-def _view(args) -> int:
-    from characters_jax.serving.view import view_command
-
-    return view_command(args)
 
 
 def register(subparsers) -> None:
@@ -99,63 +70,3 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info")
     add_engine_arguments(p)
     p.set_defaults(func=_serve)
-
-    p = subparsers.add_parser("decode-serve", help="run the decoder process (DecoderService over gRPC)")
-    p.add_argument("--config", default="small")
-    p.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:PATH")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random VAE weights")
-    p.add_argument("--checkpoint", default="auto", help="weights directory of the VAE (as serve's --checkpoint)")
-    p.add_argument("--state-file", default=None)
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(func=_decode_serve)
-
-    p = subparsers.add_parser(
-        "talk", help="talk to a worker: image + WAV in, MP4 out",
-        description="One session: the WAV as one speech segment from the first frame, the video written to an MP4. "
-                    "The session opens on its own Converse stream, so --server may be a set of workers: the first idle one "
-                    "takes it (gRPC round_robin with health checks, waitForReady, retries of RESOURCE_EXHAUSTED).")
-    p.add_argument("--server", default="127.0.0.1:50051",
-                   help="a worker (host:port), a comma list of workers (h1:p1,h2:p2), or a DNS name (dns:///name:port)")
-    p.add_argument("--image", required=True)
-    p.add_argument("--audio", required=True, help="WAV, 16 kHz mono s16le")
-    p.add_argument("--out", required=True, help="MP4 to write")
-    p.add_argument("--prompt", default="")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", default=None, help="also write the summary as JSON here")
-    p.add_argument("--fast", action="store_true", help="send the audio at once (bounded ahead of the video) instead of at real-time pace")
-    p.add_argument("--max-duration", type=float, default=None, help="ask for a shorter max_duration than the worker's, seconds")
-    p.add_argument("--idle-timeout", type=float, default=None, help="ask for a shorter idle_timeout than the worker's, seconds")
-    p.add_argument("--open-timeout", type=float, default=300.0, help="seconds to wait for an idle worker to take the session")
-    p.add_argument("--wait-for-worker", action="store_true",
-                   help="retry a refused session (busy: RESOURCE_EXHAUSTED, draining: UNAVAILABLE) until --open-timeout; "
-                        "on by default for a list or DNS target; use it for one address that is a balancing proxy (Envoy)")
-    p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP)
-    p.set_defaults(func=_talk)
-
-    p = subparsers.add_parser("demo", help="decoder + worker + client on localhost: out/demo.mp4")
-    p.add_argument("--config", default="talking", help="config (default: the trained talking demonstrator)")
-    p.add_argument("--checkpoint", default="auto", help="weights directory (as serve's --checkpoint)")
-    p.add_argument("--out", default="out")
-    p.add_argument("--image", default=None, help="reference image (default: the weights' held-out demo portrait, else a drawn one)")
-    p.add_argument("--audio", default=None, help="speech WAV, 16 kHz mono (default: the weights' held-out demo speech, else a "
-                                                 "synthesized clip)")
-    p.add_argument("--prompt", default="a friendly character, talking")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    add_engine_arguments(p)
-    p.set_defaults(func=_demo)
-
-    p = subparsers.add_parser("view", help="the character live in a web page (WebRTC, loopback only)")
-    p.add_argument("--server", default=None, help="a running worker, or workers behind gRPC balancing (host:port, h1:p1,h2:p2, "
-                                                  "dns:///name:port); default: start one for --config")
-    p.add_argument("--config", default="talking", help="config of the worker started when --server is not given")
-    p.add_argument("--checkpoint", default="auto", help="weights of the started worker (as serve's --checkpoint)")
-    p.add_argument("--port", type=int, default=8080, help="the page's port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--image", default=None, help="default reference image (the page can upload another)")
-    p.add_argument("--prompt", default="a friendly character, talking")
-    p.add_argument("--prebuffer-chunks", type=int, default=2, help="chunks buffered before playback starts")
-    p.add_argument("--out", default="out", help="where the started worker's log goes")
-    p.add_argument("--state-file", default=None, help="JSON file: the page's URL and port, the worker's state")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP + " (with --server)")
-    p.set_defaults(func=_view)

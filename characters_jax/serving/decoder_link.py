@@ -7,13 +7,12 @@ come back on `on_chunk(step, frames, decode_ms, diffusion_ms)`; a failed stream 
 `on_error(message)` once.
 
 The link carries no TLS and no authentication, so it stays on this machine: a Unix socket or
-a loopback address (`require_loopback`, checked by `decode-serve --listen`, `serve
---decoder` and `DecoderClient`).
+a loopback address (decoder/address.py's `require_loopback`, checked by `decode-serve
+--listen`, `serve --decoder` and `DecoderClient`).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
 import threading
@@ -23,31 +22,16 @@ import grpc
 import numpy as np
 
 from characters_jax.config import Config
-from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
-from characters_jax.serving.channel_options import decoder_channel_options
+from characters_jax.decoder.address import require_loopback
 from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
+from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
+from characters_jax.wire.channel_options import decoder_channel_options
 
 log = logging.getLogger("characters_jax.serving.decoder_link")
 
+
 class DecoderUnavailable(Exception):
     pass
-
-
-def require_loopback(address: str, what: str = "decoder address") -> str:
-    """`address` if it stays on this machine: unix:PATH, or host:port with host a loopback IP
-    address or 'localhost'. Raises ValueError (its message starts with `what`) otherwise."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return address
-    entry = address.removeprefix("ipv4:").removeprefix("ipv6:")
-    host, _, port = entry[1:].partition("]:") if entry.startswith("[") else entry.rpartition(":")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback or not port.isdigit():
-        raise ValueError(f"{what} {address!r}: the decoder link has no TLS and no authentication, so it stays on this machine: "
-                         "give unix:PATH or a loopback address (127.0.0.1:PORT, [::1]:PORT, localhost:PORT)")
-    return address
 
 
 class DecoderClient:

@@ -32,10 +32,10 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from characters_jax.serving.rpc_handlers import Behavior
+from characters_jax.wire.service import SERVICE_NAME
 
 log = logging.getLogger("characters_jax.serving.health")
 
-SERVICE_NAME = "characters.v1.CharacterService"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _R = health_pb2.HealthCheckResponse
 _SERVING, _NOT_SERVING, _UNKNOWN = _R.SERVING, _R.NOT_SERVING, _R.SERVICE_UNKNOWN

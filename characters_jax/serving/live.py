@@ -26,7 +26,13 @@ import grpc
 from characters_jax.audio.pcm import AudioFormatError, pcm_to_int16
 from characters_jax.audio.speech import SpeechQueueFull
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.conversation import AudioAfterEnd, Chunk, Conversation, End, Note
+from characters_jax.serving.conversation import (
+    AudioAfterEnd,
+    Chunk,
+    Conversation,
+    End,
+    Note,
+)
 from characters_jax.serving.decoder_link import DecoderLink
 
 log = logging.getLogger("characters_jax.serving.live")

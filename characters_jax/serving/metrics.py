@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 import prometheus_client as prom
 
+from characters_jax.device_memory import device_memory
 from characters_jax.serving.conversation import STARTED, STOPPED
 
 _STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.1667, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -208,18 +209,3 @@ class WorkerMetrics:
         from characters_jax.serving.metrics_http import MetricsHttpServer
 
         return MetricsHttpServer(self.registry, host, port, liveness)
-
-
-def device_memory() -> dict:
-    """This process's device memory from the allocator, summed over its local devices:
-    bytes_in_use, peak_bytes_in_use, bytes_limit (absent on backends that do not report
-    them, such as the CPU). Host-side only: no device sync."""
-    import jax
-
-    out: dict = {}
-    for d in jax.local_devices():
-        stats = d.memory_stats() or {}
-        for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit"):
-            if key in stats:
-                out[key] = out.get(key, 0) + int(stats[key])
-    return out

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 
 from characters_jax.config import CONFIG_DIR, Config, ConfigError, load_config
+from characters_jax.processes import host_device_flags
 
 GIB = 1 << 30
 # A GPU process's memory outside its allocator pool: the CUDA context, loaded kernel
@@ -509,9 +510,3 @@ def apply_to_this_process(env: dict[str, str]) -> None:
     if env and xla_bridge.backends_are_initialized():
         raise RuntimeError("JAX's backend is already initialised: the placement cannot apply")
     os.environ.update(env)
-
-
-def host_device_flags(flags: str, count: int) -> str:
-    """XLA_FLAGS with the host platform's device count set to `count`."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags).strip()
-    return f"{flags} --xla_force_host_platform_device_count={count}".strip()

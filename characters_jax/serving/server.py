@@ -1,6 +1,6 @@
-"""Process entry points: the generator worker (`serve`) and the decoder (`decode-serve`).
+"""The generator worker's process (`serve`).
 
-The worker: loads the config and the generator, starts (and supervises) its decoder process
+It loads the config and the generator, starts (and supervises) its decoder process
 unless given one, compiles everything once, then serves CharacterService + grpc.health.v1 +
 reflection on one port (worker_server.py) and Prometheus metrics on another. It writes a
 small JSON state file (ports, pids) when ready. SIGTERM (or SIGINT) drains: NOT_SERVING at
@@ -14,87 +14,14 @@ import json
 import logging
 import os
 import pathlib
-import signal
 import sys
 import tempfile
 import threading
 import time
 
-from characters_jax.serving.health import SERVICE_NAME  # noqa: F401  (the name balancers check; imported from here by tools)
-from characters_jax.serving.placement import host_device_flags
+from characters_jax.processes import child_env, stop_on_signals, write_state_file
 
 log = logging.getLogger("characters_jax.serving.server")
-
-
-def child_env(device_count: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with its own XLA host device count, plus `extra`."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = host_device_flags(env.get("XLA_FLAGS", ""), device_count)
-    env.update(extra or {})
-    return env
-
-
-def _write_json(path: str | None, data: dict) -> None:
-    if not path:
-        return
-    tmp = pathlib.Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _wait_for_stop() -> threading.Event:
-    """Set by the first SIGTERM / SIGINT; later ones are logged and change nothing (a drain
-    runs to its deadline, however often it is asked for)."""
-    stop = threading.Event()
-
-    def handler(signum, _frame):
-        log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name, "draining": stop.is_set()}})
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
-
-
-def run_decoder(args) -> int:
-    """`decode-serve`: compile, then serve DecoderService until SIGTERM."""
-    from characters_jax.serving.decoder_link import require_loopback
-
-    try:
-        require_loopback(args.listen, "--listen")
-    except ValueError as err:
-        print(f"characters-jax decode-serve: {err}", file=sys.stderr)
-        return 2
-    from characters_jax.config import load_config
-    from characters_jax.decoder.runtime import VaeRuntime
-    from characters_jax.decoder.service import start_decoder_server
-
-    stop = _wait_for_stop()
-    from characters_jax.decoder.weights import WeightsError, checkpoint_path
-
-    cfg = load_config(args.config)
-    t0 = time.perf_counter()
-    try:
-        rt = VaeRuntime(cfg, seed=args.seed, checkpoint=checkpoint_path(args.checkpoint, cfg.name))  # checked there
-    except (WeightsError, FileNotFoundError) as err:
-        print(f"characters-jax decode-serve: --checkpoint: {err}", file=sys.stderr)
-        return 2
-    rt.warmup()
-    server, port = start_decoder_server(rt, args.listen)
-    if port == 0:
-        log.error("could not bind", extra={"fields": {"listen": args.listen}})
-        return 1
-    import jax
-
-    from characters_jax.serving.metrics import device_memory
-
-    memory = device_memory()
-    log.info("decoder ready", extra={"fields": {"listen": args.listen, "port": port, "config": cfg.name, "device": str(jax.devices()[0]), "startup_s": round(time.perf_counter() - t0, 2), **memory}})
-    _write_json(args.state_file, {"port": port, "pid": os.getpid(), "device": str(jax.devices()[0]), "memory": memory})
-    stop.wait()
-    server.stop(grace=1).wait()
-    log.info("decoder stopped")
-    return 0
 
 
 def _use_compile_cache(choice: str) -> str | None:
@@ -120,7 +47,11 @@ def _compile_generator(cfg, tp: int, random_weights: bool, placement):
     from characters_jax.engine.generator import compile_programs
     from characters_jax.engine.step import Engine
     from characters_jax.parallel.sharding import make_mesh
-    from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes
+    from characters_jax.serving.placement import (
+        check_measured,
+        memory_plan_line,
+        pool_bytes,
+    )
 
     t0 = time.perf_counter()
     engine = Engine(cfg, make_mesh(tp))
@@ -139,7 +70,7 @@ def _warmup(generator, frontend, cfg, metrics, compile_s: float, timed_steps: in
     Returns {compile_s (compile + first runs), step_ms (median), fps_capacity, real_time, memory}."""
     import numpy as np
 
-    from characters_jax.serving.metrics import device_memory
+    from characters_jax.device_memory import device_memory
 
     v, m = cfg.video, cfg.model
     t0 = time.perf_counter()
@@ -163,8 +94,8 @@ def _warmup(generator, frontend, cfg, metrics, compile_s: float, timed_steps: in
 
 def worker_options(args) -> "WorkerOptions":
     """The session options of `serve`'s flags. Raises ValueError naming a bad flag."""
-    from characters_jax.serving.images import ImageLimits
     from characters_jax.serving.worker import WorkerOptions
+    from characters_jax.wire.images import ImageLimits
 
     flags = {"lead_chunks": "--lead-chunks", "ready_timeout_s": "--ready-timeout", "max_duration_s": "--max-duration",
              "idle_timeout_s": "--idle-timeout", "max_queued_audio_s": "--max-queued-audio", "drain_timeout_s": "--drain-timeout",
@@ -185,16 +116,21 @@ def run_worker(args) -> int:
     from characters_jax.config import load_config, with_engine_arguments
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.metrics import WorkerMetrics
-    from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
+    from characters_jax.serving.placement import (
+        GIB,
+        apply_to_this_process,
+        plan,
+        visible_gpus,
+    )
     from characters_jax.serving.supervisor import Supervisor
     from characters_jax.serving.worker import WorkerContext
     from characters_jax.serving.worker_server import WorkerServer
 
-    stop = _wait_for_stop()
+    stop = stop_on_signals()
     t_start = time.perf_counter()
     cfg = with_engine_arguments(load_config(args.config), args)
-    from characters_jax.serving.credentials import worker_transport
-    from characters_jax.serving.decoder_link import require_loopback
+    from characters_jax.decoder.address import require_loopback
+    from characters_jax.serving.tls import worker_transport
 
     try:
         options = worker_options(args)
@@ -211,7 +147,11 @@ def run_worker(args) -> int:
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
                      generator_memory_fraction=args.memory_fraction)
     apply_to_this_process(placement.generator_env())
-    from characters_jax.decoder.weights import WeightsError, checkpoint_path, dit_checkpoint
+    from characters_jax.decoder.weights import (
+        WeightsError,
+        checkpoint_path,
+        dit_checkpoint,
+    )
 
     try:  # the weights checked against the config (after the placement: this starts JAX), before any compile
         path = checkpoint_path(args.checkpoint, cfg.name)
@@ -242,7 +182,7 @@ def run_worker(args) -> int:
             state.update(decoder_pid=pid, decoder_restarts=restarts)
             metrics.decoder_started(restarts)
             if state.get("port"):
-                _write_json(args.state_file, state)
+                write_state_file(args.state_file, state)
 
         cache_env = {"JAX_COMPILATION_CACHE_DIR": state["compile_cache"]} if state["compile_cache"] else {}
         supervisor = Supervisor("decoder", argv, env=child_env(1, {**placement.decoder_env(), **cache_env}), on_start=on_start)
@@ -295,7 +235,7 @@ def run_worker(args) -> int:
     state.update(port=port, metrics_port=metrics_port, metrics_host=metrics_host, worker_id=worker.options.worker_id)
     warm = state["warmup"]
     state["startup_s"] = round(time.perf_counter() - t_start, 2)
-    _write_json(args.state_file, state)
+    write_state_file(args.state_file, state)
     log.info("worker ready", extra={"fields": {"port": port, "metrics_port": metrics_port, "config": cfg.name, "tp": args.tp, "startup_s": state["startup_s"], "step_ms": warm["step_ms"], "checkpoint": state["checkpoint"]}})
     if not warm["real_time"]:
         log.warning("not real time on this hardware", extra={"fields": {

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from characters_jax.processes import terminate
+
 log = logging.getLogger("characters_jax.serving.supervisor")
 
 
@@ -39,19 +41,6 @@ def die_with_parent(environ=os.environ) -> None:
         return
     if os.getppid() != int(expected):
         os._exit(0)
-
-
-def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    """Stops a child: SIGTERM (a worker drains), SIGKILL if it is still running after
-    `timeout` seconds. Returns its exit code."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 REFUSED = 2  # the exit status of a command that refuses its arguments (argparse's, ours)

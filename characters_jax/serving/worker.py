@@ -24,15 +24,13 @@ from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.conversation import Limits
 from characters_jax.serving.decoder_link import DecoderClient, DecoderUnavailable
 from characters_jax.serving.health import WorkerHealth
-from characters_jax.serving.images import ImageError, ImageLimits, load_reference_image
 from characters_jax.serving.live import LiveSession, StreamOptions
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.session import SessionRecord, SessionTable, SlotBusy
+from characters_jax.wire.images import ImageError, ImageLimits, load_reference_image
+from characters_jax.wire.service import AUDIO_ENCODINGS
 
 log = logging.getLogger("characters_jax.serving.worker")
-
-_ENCODINGS = {pb.AudioFormat.PCM_S16LE: "s16le", pb.AudioFormat.PCM_F32LE: "f32le"}
-
 
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
@@ -224,7 +222,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         start = first.start
         f = start.audio_format
         try:
-            check_format(PcmFormat(f.sample_rate_hz, f.channels, _ENCODINGS.get(f.encoding, "unspecified")), self.ctx.config.audio.sample_rate)
+            check_format(PcmFormat(f.sample_rate_hz, f.channels, AUDIO_ENCODINGS.get(f.encoding, "unspecified")), self.ctx.config.audio.sample_rate)
         except AudioFormatError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         which = start.WhichOneof("session")

@@ -23,12 +23,18 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from characters_jax.serving.credentials import ClientCredentials
-from characters_jax.serving.view_ice import LOOPBACK, OfferError, gather_on, loopback_offer
-from characters_jax.serving.view_link import ChunkEvent, SpeechNote, WorkerLink
-from characters_jax.serving.view_media import CharacterAudioTrack, CharacterVideoTrack, MicResampler, Playout, Upsampler
+from characters_jax.client.credentials import ClientCredentials
+from characters_jax.viewer.ice import LOOPBACK, OfferError, gather_on, loopback_offer
+from characters_jax.viewer.link import ChunkEvent, SpeechNote, WorkerLink
+from characters_jax.viewer.media import (
+    CharacterAudioTrack,
+    CharacterVideoTrack,
+    MicResampler,
+    Playout,
+    Upsampler,
+)
 
-log = logging.getLogger("characters_jax.serving.view")
+log = logging.getLogger("characters_jax.viewer.bridge")
 
 
 @dataclasses.dataclass(frozen=True)

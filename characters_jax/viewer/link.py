@@ -11,7 +11,7 @@
 The microphone is one speech segment that never ends while the page talks (silence
 included); the session begins with it (`begin_with_speech`), and where the microphone is
 late the worker fills silence, so the video never stops. After an interrupt the next audio
-opens a new segment. Everything that knows the proto lives here and in client.py.
+opens a new segment. Everything that knows the proto lives here and in the client library.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import time
 import grpc
 import numpy as np
 
+from characters_jax.client.credentials import ClientCredentials
+from characters_jax.client.requests import start_request
+from characters_jax.client.stream import AsyncConversation
+from characters_jax.client.targets import aio_channel
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.client import AsyncConversation, aio_channel, start_request
-from characters_jax.serving.credentials import ClientCredentials
 
 SAMPLE_RATE = 16000
 

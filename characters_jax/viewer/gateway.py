@@ -3,8 +3,8 @@
 A small web gateway (aiohttp) on 127.0.0.1 serves one page (`web/`: HTML, JS and CSS, no
 build step) and bridges each page to a generator worker as one more gRPC client: the page's
 microphone goes up as the conversation's audio, the character's video and voice come back as
-WebRTC tracks (view_bridge.py, view_media.py, view_link.py). The worker never sees WebRTC.
-Loopback only (view_ice.py).
+WebRTC tracks (bridge.py, media.py, link.py). The worker never sees WebRTC.
+Loopback only (ice.py).
 
 Without --server, `view` starts a worker for --config itself (like `demo`) and stops it on exit.
 """
@@ -27,12 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
-from characters_jax.serving.credentials import load_client_credentials
-from characters_jax.serving.images import ImageError, load_reference_image
-from characters_jax.serving.view_bridge import BridgeOptions, ViewerBridge
-from characters_jax.serving.view_guard import RouteRules, check_request
-from characters_jax.serving.view_ice import LOOPBACK, OfferError
-from characters_jax.serving.view_link import LinkError
+from characters_jax.client.credentials import load_client_credentials
+from characters_jax.processes import child_env, terminate, write_state_file
+from characters_jax.viewer.bridge import BridgeOptions, ViewerBridge
+from characters_jax.viewer.guard import RouteRules, check_request
+from characters_jax.viewer.ice import LOOPBACK, OfferError
+from characters_jax.viewer.link import LinkError
+from characters_jax.wire.images import ImageError, load_reference_image
 
 WEB_DIR = pathlib.Path(__file__).resolve().parent / "web"
 STATIC_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
@@ -43,8 +44,6 @@ class LocalWorker:
     """`characters-jax serve` started by `view`: a subprocess on a free port, its log in a file."""
 
     def __init__(self, config: str, checkpoint: str | None, log_path: pathlib.Path):
-        from characters_jax.serving.server import child_env
-
         self._tmp = tempfile.TemporaryDirectory(prefix="characters-view-")
         self.state_file = pathlib.Path(self._tmp.name) / "worker.json"
         self.log_path = log_path
@@ -72,8 +71,6 @@ class LocalWorker:
         return True
 
     def stop(self) -> None:
-        from characters_jax.serving.supervisor import terminate
-
         terminate(self.proc)
         self._log.close()
         self._tmp.cleanup()
@@ -90,13 +87,13 @@ class RemoteWorker:
 
 # -- the web gateway ----------------------------------------------------------------------------
 _LINK_HTTP_STATUS = {"INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 409, "FAILED_PRECONDITION": 409, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
-# Beyond a good Host and no foreign Origin (view_guard.py): the offer opens a session.
+# Beyond a good Host and no foreign Origin (guard.py): the offer opens a session.
 _ROUTE_RULES = {"/offer": RouteRules(origin_required=True, json_body=True)}
 
 
 class Gateway:
     """The aiohttp application: the page, its files, /status, /image and /offer. Every
-    request passes view_guard's checks (Host; Origin and content type where it changes state)."""
+    request passes guard.py's checks (Host; Origin and content type where it changes state)."""
 
     def __init__(self, worker, options: BridgeOptions, reference_image: bytes, prompt: str):
         self.worker, self.options = worker, options
@@ -204,16 +201,9 @@ async def serve_gateway(gateway: Gateway, port: int, started=None) -> None:
         await runner.cleanup()
 
 
-def _write_state(path: str | None, data: dict) -> None:
-    if path:
-        tmp = pathlib.Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-
-
 async def _run_view(args) -> int:
     from characters_jax.decoder.weights import checkpoint_path, demo_clip
-    from characters_jax.serving import assets
+    from characters_jax.demo import assets
 
     try:
         # a worker started here: its weights' held-out portrait is the default image (the
@@ -244,7 +234,7 @@ async def _run_view(args) -> int:
     state: dict = {"pid": os.getpid()}
 
     def publish() -> None:
-        _write_state(args.state_file, {**state, "worker": worker.state, "worker_address": worker.address, "worker_message": worker.message})
+        write_state_file(args.state_file, {**state, "worker": worker.state, "worker_address": worker.address, "worker_message": worker.message})
 
     def started(port: int) -> None:
         state.update(port=port, url=f"http://{LOOPBACK}:{port}/")
@@ -283,7 +273,7 @@ async def _run_view(args) -> int:
 
 
 def view_command(args) -> int:
-    from characters_jax.serving.logs import setup_logging
+    from characters_jax.logs import setup_logging
 
     setup_logging("view", args.log_level)
     return asyncio.run(_run_view(args))

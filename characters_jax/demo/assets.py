@@ -2,7 +2,7 @@
 speech-like clip from a small source-filter synthesizer (glottal pulses through vowel
 formant resonators, syllable envelopes, fricative noise, a falling intonation).
 
-`python -m characters_jax.serving.assets` regenerates `assets/portrait.png` and
+`python -m characters_jax.demo.assets` regenerates `assets/portrait.png` and
 `assets/speech.wav` (16 kHz mono s16le); the output is deterministic.
 """
 

@@ -16,10 +16,10 @@ import time
 import grpc
 
 from characters_jax.audio.pcm import read_wav
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.client.credentials import ClientCredentials, load_client_credentials
+from characters_jax.client.mp4 import write_mp4
 from characters_jax.protos_gen import characters_pb2 as pb
-from characters_jax.serving.client import CharacterClient
-from characters_jax.serving.credentials import ClientCredentials, load_client_credentials
-from characters_jax.serving.mp4 import write_mp4
 
 _ENC = {"s16le": pb.AudioFormat.PCM_S16LE}
 

@@ -18,18 +18,16 @@ import sys
 import tempfile
 import time
 
-from characters_jax.serving import assets
-from characters_jax.serving.server import child_env
-from characters_jax.serving.supervisor import terminate
+from characters_jax.demo import assets
+from characters_jax.processes import child_env, terminate
 
 
 def demo_command(args) -> int:
     from characters_jax.audio.pcm import read_wav
     from characters_jax.audio.timeline import Timeline
+    from characters_jax.client.mp4 import probe_mp4
+    from characters_jax.client.talk import print_summary, run_talk
     from characters_jax.config import engine_argv, load_config, with_engine_arguments
-    from characters_jax.serving.mp4 import probe_mp4
-    from characters_jax.serving.talk import print_summary, run_talk
-
     from characters_jax.decoder.weights import checkpoint_path, demo_clip
 
     cfg = with_engine_arguments(load_config(args.config), args)
