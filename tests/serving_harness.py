@@ -106,7 +106,7 @@ class Worker:
 
 
 class Recorder:
-    """Reads a Conversation in a thread: every item with its arrival time, in order."""
+    """Reads a ConversationStream in a thread: every item with its arrival time, in order."""
 
     def __init__(self, conv):
         self.conv = conv

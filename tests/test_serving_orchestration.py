@@ -23,7 +23,7 @@ from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.client.character_client import CharacterClient
 from characters_jax.client.requests import END_OF_AUDIO, audio_request, interrupt_request, start_request
-from characters_jax.client.stream import AsyncConversation, Conversation
+from characters_jax.client.stream import AsyncConversationStream, ConversationStream
 from characters_jax.client.targets import aio_channel, parse_target
 from characters_jax.wire.service import PCM_FORMAT, SERVICE_NAME
 from characters_jax.demo.fakes import FakeWorker
@@ -148,12 +148,12 @@ def test_an_interrupt_cuts_at_the_reported_position_and_the_next_utterance_plays
 
 
 def test_the_asyncio_conversation_speaks_and_is_interrupted(worker):
-    """AsyncConversation over grpc.aio: the same stream, the same dropping after an interrupt."""
+    """AsyncConversationStream over grpc.aio: the same stream, the same dropping after an interrupt."""
     import asyncio
 
     async def run():
         channel, _ = aio_channel(worker.address)
-        conv = AsyncConversation.open(channel, start_request(image=png(), playout_reports=False), balanced=False)
+        conv = AsyncConversationStream.open(channel, start_request(image=png(), playout_reports=False), balanced=False)
         items, sent_interrupt, after_ack = [], False, None
         async for item in conv:
             items.append(item)
@@ -357,14 +357,14 @@ def test_a_refused_conversation_opens_again_until_its_timeout(worker, client):
     worker takes it or open_timeout passes."""
     blocker = client.create_session(png())
     threading.Timer(0.6, client.close_session, args=(blocker.session_id,)).start()
-    conv = Conversation(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=5.0, reopen=True)
+    conv = ConversationStream(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=5.0, reopen=True)
     t0 = time.monotonic()
     session = conv.wait_open()
     assert session.state == pb.RUNNING and conv.attempts >= 2 and time.monotonic() - t0 >= 0.55
     conv.close()
     wait_idle(worker.address)
     blocker = client.create_session(png())
-    conv = Conversation(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=0.8, reopen=True)
+    conv = ConversationStream(client.stub, start_request(image=png()), wait_for_ready=False, open_timeout=0.8, reopen=True)
     with pytest.raises(grpc.RpcError) as e:
         conv.wait_open()
     assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED) and time.monotonic() - t0 < 8

@@ -1,5 +1,5 @@
 """The session's timeline and its pacing, without threads or processes: SpeechTimeline (speech
-and inserted silence, bounded queue, history) and Conversation's decisions on a manual
+and inserted silence, bounded queue, history) and ConversationState's decisions on a manual
 clock (lead over playback, waiting for late speech, limits, speech events, interrupts)."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 
 from characters_jax.audio.speech import SpeechQueueFull, SpeechTimeline
 from characters_jax.audio.timeline import Timeline
-from characters_jax.serving.conversation import RUN, Chunk, Conversation, End, Limits, Note, StepPlan
+from characters_jax.serving.conversation import RUN, Chunk, ConversationState, End, Limits, Note, StepPlan
 
 TL = Timeline(16000, 24, 4)
 STEP = TL.max_step_samples  # 2667
@@ -88,12 +88,12 @@ def test_queued_speech_is_bounded():
 
 
 class Fixture:
-    """A Conversation on a manual clock; emitted notes and chunks collected in order."""
+    """A ConversationState on a manual clock; emitted notes and chunks collected in order."""
 
     def __init__(self, lead=3, reports=True, begin_with_speech=False, max_duration=100.0, idle=50.0):
         self.t = 0.0
         self.out = []
-        self.conv = Conversation(TL, lambda read, s: read(*TL.step_span(s)), lead=lead, playout_reports=reports, begin_with_speech=begin_with_speech,
+        self.conv = ConversationState(TL, lambda read, s: read(*TL.step_span(s)), lead=lead, playout_reports=reports, begin_with_speech=begin_with_speech,
                                  limits=Limits(max_duration, idle), max_queued_samples=10**6, history_samples=3 * STEP,
                                  emit=lambda item: self.out.append(item.message if isinstance(item, Chunk) else item), now=lambda: self.t)
 
@@ -214,7 +214,7 @@ def test_a_client_that_stops_reading_holds_the_clock():
     f.run(1)
     f.conv.emit_chunk(1, 4, lambda plan, first: ("chunk", 1, first))  # on the stream, not taken by gRPC
     f.t = 10.0
-    assert f.conv.clock.played(f.t) == 4  # the client can have played only what it got
+    assert f.conv.playback.played(f.t) == 4  # the client can have played only what it got
     f.run(2)  # one step ahead of that
     assert f.waits(3)  # two: held, however late it is
     f.conv.delivered(4, f.conv.epoch)  # gRPC takes chunk 1: playback goes on from now

@@ -14,7 +14,7 @@ from characters_jax.config import load_config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.wire.channel_options import chunk_message_bytes, worker_server_options
 from characters_jax.client.character_client import parse_target
-from characters_jax.serving.conversation import Limits, PlaybackClock
+from characters_jax.serving.conversation import Limits, PlaybackPosition
 from characters_jax.serving.health import WorkerHealth
 from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.serving.worker import WorkerOptions, resolve_limits
@@ -90,7 +90,7 @@ def test_playout_clock_counts_underruns():
 def test_a_report_ahead_of_the_recorded_send_is_kept():
     """gRPC can hand a chunk to the client, and its report come back, before the stream
     records the chunk as sent: the report counts once the send is recorded."""
-    clock = PlaybackClock(24, reports=True)
+    clock = PlaybackPosition(24, reports=True)
     clock.on_sent(4, now=0.0)
     clock.report(4, 0)
     assert clock.played(0.1) == 4.0

@@ -13,7 +13,7 @@ pytest.importorskip("aiortc", reason="the viewer needs aiortc: pip install aiort
 from characters_jax.audio.timeline import Timeline  # noqa: E402
 from characters_jax.viewer.bridge import frame_peaks  # noqa: E402
 from characters_jax.viewer.ice import OfferError, gather_on, loopback_offer  # noqa: E402
-from characters_jax.viewer.media import MicResampler, Playout, PlayoutEnded, Upsampler  # noqa: E402
+from characters_jax.viewer.media import MicResampler, TrackPlayoutClock, PlayoutEnded, Upsampler  # noqa: E402
 
 SEED = 20261204
 
@@ -87,7 +87,7 @@ def test_playout_paces_frames_and_audio_on_one_clock_and_stalls_on_underrun():
     per = rate // fps
 
     async def run():
-        p = Playout(fps, rate, prebuffer_frames=8, catchup_frames=4, catchup_after_s=10.0)
+        p = TrackPlayoutClock(fps, rate, prebuffer_frames=8, catchup_frames=4, catchup_after_s=10.0)
         got, audio = [], []
 
         async def produce():  # a chunk every 80 ms (real time), chunk 4 200 ms late: 120 ms past the 80 ms of slack
@@ -131,7 +131,7 @@ def test_playout_catches_up_a_buffer_left_over_its_target():
     per = rate // fps
 
     async def run():
-        p = Playout(fps, rate, prebuffer_frames=4, catchup_frames=4, catchup_after_s=0.05)
+        p = TrackPlayoutClock(fps, rate, prebuffer_frames=4, catchup_frames=4, catchup_after_s=0.05)
         await p.push(_frames(0, 20), _audio_for(0, 20, per))  # a burst: 20 frames at once
         await p.end()
         frames = []
@@ -154,7 +154,7 @@ def test_playout_flush_drops_what_it_holds_and_continues_the_playback_timeline()
     per = rate // fps
 
     async def run():
-        p = Playout(fps, rate, prebuffer_frames=4, catchup_frames=4, catchup_after_s=10.0)
+        p = TrackPlayoutClock(fps, rate, prebuffer_frames=4, catchup_frames=4, catchup_after_s=10.0)
         await p.push(_frames(0, 12), _audio_for(0, 12, per))
         played = [(await p.next_frame())[0] for _ in range(3)]
         await p.flush()

@@ -21,7 +21,7 @@ The streaming API (what a voice agent or the browser bridge uses):
         conv.end_audio()                         # or: the session completes after its queued speech
 
 After `interrupt()` the conversation drops every chunk until the INTERRUPTED event (they
-carry speech past the position), and flushes its PlayoutClock. `AsyncConversation`
+carry speech past the position), and flushes its PlayoutClock. `AsyncConversationStream`
 (stream.py) is the same over grpc.aio. `converse()` runs a whole clip (CreateSession's session, or its own) and
 returns a ConverseResult. RPC errors surface as grpc.RpcError with the worker's status.
 
@@ -49,7 +49,7 @@ import numpy as np
 from characters_jax.client.credentials import ClientCredentials
 from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.client.requests import start_request
-from characters_jax.client.stream import Conversation
+from characters_jax.client.stream import ConversationStream
 from characters_jax.client.targets import open_channel, parse_target
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
@@ -181,7 +181,7 @@ class CharacterClient:
     def conversation(self, session_id: str = "", *, image: bytes | None = None, prompt: str = "", seed: int = 0,
                      limits: pb.SessionLimits | None = None, playout: PlayoutClock | None = None, playout_reports: bool | None = None,
                      begin_with_speech: bool = False, audio_format: pb.AudioFormat = PCM_FORMAT,
-                     open_timeout: float | None = 300.0, session_token: str | None = None) -> Conversation:
+                     open_timeout: float | None = 300.0, session_token: str | None = None) -> ConversationStream:
         """Opens a Converse stream: of `session_id` (from create_session on this worker;
         session_token as in get_session), or a new session from `image`. playout: a
         PlayoutClock that plays and reports (else the caller reports, or, with
@@ -193,7 +193,7 @@ class CharacterClient:
         reports = playout is not None if playout_reports is None else playout_reports
         start = start_request(session_id=session_id, session_token=token, image=image, prompt=prompt, seed=seed, limits=limits,
                               playout_reports=reports, begin_with_speech=begin_with_speech, audio_format=audio_format)
-        return Conversation(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout,
+        return ConversationStream(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout,
                             reopen=self.reopen and not session_id, on_session=self._keep_token)
 
     def converse(

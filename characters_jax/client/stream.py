@@ -1,5 +1,5 @@
-"""One session's Converse stream on the client's side: `Conversation` (threads) and
-`AsyncConversation` (grpc.aio), the same requests and the same handling of what comes back.
+"""One session's Converse stream on the client's side: `ConversationStream` (threads) and
+`AsyncConversationStream` (grpc.aio), the same requests and the same handling of what comes back.
 
 After `interrupt()` the stream drops every chunk until the INTERRUPTED event (they carry
 speech past the position), and flushes its PlayoutClock. A stream that a worker refuses
@@ -83,7 +83,7 @@ class _Senders:
         self.send(playout_request(frames_played, underruns))
 
 
-class Conversation(_Senders):
+class ConversationStream(_Senders):
     """One session's Converse stream (threads; see the module docstring). Iterate from one
     thread; the senders may be called from any thread."""
 
@@ -230,16 +230,16 @@ class Conversation(_Senders):
         self.close()
 
 
-class AsyncConversation(_Senders):
-    """`Conversation` over grpc.aio: the same requests and the same dropping after an
+class AsyncConversationStream(_Senders):
+    """`ConversationStream` over grpc.aio: the same requests and the same dropping after an
     interrupt; `async for item in conv` yields the same messages. Build it with
-    `AsyncConversation.open(channel, start_request(...), balanced=...)`."""
+    `AsyncConversationStream.open(channel, start_request(...), balanced=...)`."""
 
     def __init__(self, call, outbox: asyncio.Queue, rx: _Receiver, opened: asyncio.Event):
         self._call, self._outbox, self._rx, self._opened = call, outbox, rx, opened
 
     @classmethod
-    def open(cls, channel: grpc.aio.Channel, start: pb.ConverseRequest, *, balanced: bool) -> "AsyncConversation":
+    def open(cls, channel: grpc.aio.Channel, start: pb.ConverseRequest, *, balanced: bool) -> "AsyncConversationStream":
         outbox: asyncio.Queue = asyncio.Queue()
         opened = asyncio.Event()
 

@@ -1,5 +1,6 @@
-"""What one live session's threads share: the speech timeline, the client's playback clock,
-the session's limits and its speech events, under one condition variable.
+"""What one live session's threads share (`ConversationState`): the speech timeline, the
+client's playback position, the session's limits and its speech events, under one
+condition variable.
 
 The step loop asks `next_step(s)`, which returns when step s may run (its audio placed on
 the timeline) or when the session has to end:
@@ -90,9 +91,9 @@ class StepPlan:
     after: list[Note]
 
 
-class PlaybackClock:
-    """The client's playback position in frames of the playback timeline (the session's
-    timeline less the frames that interrupts dropped: `skipped`).
+class PlaybackPosition:
+    """The worker's account of the client's playback position, in frames of the playback
+    timeline (the session's timeline less the frames that interrupts dropped: `skipped`).
 
     With reports it is the client's frames_played; without, the wall clock at fps from the
     first chunk sent. Either way never more than the frames sent: a client that ran out
@@ -159,7 +160,7 @@ class PlaybackClock:
         return max(0.0, self._t0 + target / self.fps - now)
 
 
-class Conversation:
+class ConversationState:
     def __init__(self, timeline: Timeline, window: Callable, *, lead: int, playout_reports: bool, begin_with_speech: bool,
                  limits: Limits, max_queued_samples: int, history_samples: int, emit: Callable, now: Callable[[], float] = time.monotonic):
         """window(read, s) -> step s's front-end window (AudioFrontEnd.window); emit(item)
@@ -168,7 +169,7 @@ class Conversation:
         self.tl, self.window, self.lead = timeline, window, lead
         self.begin_with_speech, self.limits = begin_with_speech, limits
         self.speech = SpeechTimeline(max_queued_samples, history_samples)
-        self.clock = PlaybackClock(timeline.fps, playout_reports)
+        self.playback = PlaybackPosition(timeline.fps, playout_reports)
         self._emit, self.now = emit, now
         self.started_at = now()
         self.deadline = self.started_at + limits.max_duration_s
@@ -217,7 +218,7 @@ class Conversation:
     def report_playout(self, frames_played: int, underruns: int) -> int:
         """Returns the number of new underruns."""
         with self.cond:
-            new = self.clock.report(frames_played, underruns)
+            new = self.playback.report(frames_played, underruns)
             self._check_playback(self.now())
             self.cond.notify_all()
             return new
@@ -229,9 +230,9 @@ class Conversation:
         with self.cond:
             now = self.now()
             if frames_played is not None:
-                self.clock.report(frames_played, underruns)
-            played = math.floor(self.clock.played(now))
-            at = played + self.clock.skipped  # timeline frame
+                self.playback.report(frames_played, underruns)
+            played = math.floor(self.playback.played(now))
+            at = played + self.playback.skipped  # timeline frame
             position = self.tl.frame_start(at)
             resume = self.next_step_index
             was_open = self.speech.open_segment
@@ -255,9 +256,9 @@ class Conversation:
             skip = max(0, resume * self.tl.frames_per_step - at)
             ack = Note(INTERRUPTED, cut[0].number if cut else 0, position, cut[1] if cut else 0,
                        played_samples=position - self.skipped_samples, resume_step=resume)
-            self.clock.skipped += skip
+            self.playback.skipped += skip
             self.skipped_samples += self.tl.frame_start(at + skip) - position
-            self.clock.truncate(played, now)
+            self.playback.truncate(played, now)
             self._emitted_end = played
             self.epoch += 1
             for note in [ack] + notes:
@@ -306,15 +307,15 @@ class Conversation:
         if self.begin_with_speech and not self.speech_seen:
             return _soonest(wakes)
         per = self.tl.frames_per_step
-        ahead = s - self.clock.timeline_frames(now) / per
+        ahead = s - self.playback.timeline_frames(now) / per
         if ahead >= self.lead:
-            return _soonest(wakes + [self.clock.time_until((s - self.lead) * per + 1e-3, now)])
+            return _soonest(wakes + [self.playback.time_until((s - self.lead) * per + 1e-3, now)])
         n = self.tl.step_span(s)[1] - self.tl.step_span(s)[0]
         if self.speech.must_wait(n) and not self.audio_ended:
             margin = self.margin
-            if self.clock.started and ahead < margin:
+            if self.playback.started and ahead < margin:
                 return RUN  # the speech is late: silence goes in, the video goes on
-            return _soonest(wakes + [self.clock.time_until((s - margin) * per + 1e-3, now)])
+            return _soonest(wakes + [self.playback.time_until((s - margin) * per + 1e-3, now)])
         return RUN
 
     @property
@@ -345,7 +346,7 @@ class Conversation:
             plan = self.plans.pop(step, None)
             if plan is None:
                 return False
-            first = step * self.tl.frames_per_step - self.clock.skipped
+            first = step * self.tl.frames_per_step - self.playback.skipped
             for note in plan.before:
                 self._note(note)
             self._emit(Chunk(build(plan, first), frames, self.epoch))
@@ -358,7 +359,7 @@ class Conversation:
         """The stream handed a chunk of `epoch` to gRPC: the client can have it now."""
         with self.cond:
             if epoch == self.epoch:
-                self.clock.on_sent(frames, self.now())
+                self.playback.on_sent(frames, self.now())
                 self.cond.notify_all()
 
     def note_step_cost(self, seconds: float) -> None:
@@ -373,10 +374,10 @@ class Conversation:
             while True:
                 now = self.now()
                 self._check_playback(now)
-                done = self.clock.played(now) >= self._emitted_end
+                done = self.playback.played(now) >= self._emitted_end
                 if done or self.ended is not None or now >= limit:
                     return done
-                self.cond.wait(_soonest([limit - now, self.clock.time_until(self._emitted_end + self.clock.skipped, now)]))
+                self.cond.wait(_soonest([limit - now, self.playback.time_until(self._emitted_end + self.playback.skipped, now)]))
 
     def close_segments(self) -> None:
         """At the session's end: every segment without PLAYBACK_FINISHED gets it (interrupted
@@ -387,7 +388,7 @@ class Conversation:
                 self._note(note)
             self._pending = []
             self._check_playback(now)
-            position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+            position = self.tl.frame_start(math.floor(self.playback.timeline_frames(now)))
             for seg in sorted(self._segments.values(), key=lambda x: x.number):
                 played_n = seg.samples_before(position)
                 at = min(max(position, seg.start or 0), seg.end if seg.end is not None else position)
@@ -425,7 +426,7 @@ class Conversation:
         """PLAYBACK_FINISHED for every segment whose end playback has passed."""
         if not self._segments:
             return
-        position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+        position = self.tl.frame_start(math.floor(self.playback.timeline_frames(now)))
         for seg in sorted(self._segments.values(), key=lambda x: x.number):
             if seg.complete and seg.dropped == 0 and seg.end is not None and seg.end <= position \
                     and STOPPED in self._emitted.get(seg.number, ()):
@@ -434,7 +435,7 @@ class Conversation:
 
     def _next_finish(self, now: float) -> float | None:
         """Seconds until the next PLAYBACK_FINISHED by the estimated clock (None: none due)."""
-        times = [self.clock.time_until(self.tl.frames_for(seg.end), now) for seg in self._segments.values()
+        times = [self.playback.time_until(self.tl.frames_for(seg.end), now) for seg in self._segments.values()
                  if seg.complete and seg.end is not None and STOPPED in self._emitted.get(seg.number, ())]
         times = [t for t in times if t is not None]
         return min(times) if times else None
@@ -443,7 +444,7 @@ class Conversation:
         """Speech queued, or placed and not yet played."""
         if self.speech.queued:
             return True
-        position = self.tl.frame_start(math.floor(self.clock.timeline_frames(now)))
+        position = self.tl.frame_start(math.floor(self.playback.timeline_frames(now)))
         return any(seg.end is not None and seg.end > position for seg in self._segments.values())
 
 

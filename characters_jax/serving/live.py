@@ -1,15 +1,15 @@
 """One running session: the request reader, the step loop and the decoder stream.
 
 Threads (all ended by `finish`):
-  reader   - consumes the client's requests into the Conversation: audio, end of speech,
+  reader   - consumes the client's requests into the ConversationState: audio, end of speech,
              interrupts, playout reports, end of audio.
-  stepper  - the step loop: Conversation.next_step(s) (the pacing and the step's audio),
+  stepper  - the step loop: ConversationState.next_step(s) (the pacing and the step's audio),
              the audio tokens, generator.step, and the (device) latent to the decoder link.
   link     - (DecoderLink) copies latent n to the host while step n + 1 runs, streams it to
              the decoder process and turns each decoded chunk into a VideoChunk, sent
-             through Conversation.emit_chunk (which drops the steps an interrupt cut).
+             through ConversationState.emit_chunk (which drops the steps an interrupt cut).
 The Converse handler yields what lands on `out`: ("msg", ConverseResponse) and ("chunk",
-ConverseResponse, frames, epoch) items (it reports each chunk to Conversation.delivered once
+ConverseResponse, frames, epoch) items (it reports each chunk to ConversationState.delivered once
 gRPC has taken it), then one ("end", state, code, message, reason).
 """
 
@@ -29,7 +29,7 @@ from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.serving.conversation import (
     AudioAfterEnd,
     Chunk,
-    Conversation,
+    ConversationState,
     End,
     Note,
 )
@@ -59,7 +59,7 @@ class LiveSession:
         self.rec, self.table, self.ctx, self.options = rec, table, ctx, options
         tl, fe = ctx.timeline, ctx.frontend
         self.out: queue.Queue = queue.Queue()
-        self.conv = Conversation(
+        self.conv = ConversationState(
             tl, fe.window, lead=options.lead_chunks, playout_reports=stream.playout_reports, begin_with_speech=stream.begin_with_speech,
             limits=rec.limits, max_queued_samples=int(options.max_queued_audio_s * tl.sample_rate),
             history_samples=fe.spec.window_samples + tl.max_step_samples, emit=self._emit)

@@ -61,7 +61,7 @@ class WorkerMetrics:
         self.sessions = prom.Gauge("characters_sessions", "Sessions on this worker by state (live ones)", ["state"], registry=r)
         self.sessions_ended = prom.Counter("characters_sessions_ended", "Sessions that ended, by final state", ["state"], registry=r)
         self.sessions_ended_by_reason = prom.Counter("characters_sessions_ended_by_reason", "Sessions that ended, by end reason (an EndReason name)", ["reason"], registry=r)
-        self._conversation = None  # the live session's Conversation
+        self._conversation = None  # the live session's ConversationState
         prom.Gauge("characters_queued_speech_seconds", "Speech received and not yet placed on the running session's timeline", registry=r).set_function(self._queued_speech_seconds)
         self.inserted_silence_seconds = prom.Counter("characters_inserted_silence_seconds", "Silence placed inside speech segments because their audio arrived late (the gaps between a segment's first and last sample)", registry=r)
         self._segment_starts: dict[int, int] = {}  # segment -> timeline sample of its first sample (the live session's)
@@ -114,7 +114,7 @@ class WorkerMetrics:
 
     # -- hooks of the live session -----------------------------------------------------------
     def follow_conversation(self, conversation) -> None:
-        """The live session's Conversation (conversation.py), read for the queued speech."""
+        """The live session's ConversationState (conversation.py), read for the queued speech."""
         with self._lock:
             self._conversation = conversation
             self._segment_starts.clear()

@@ -1,7 +1,7 @@
 """One page's call: its peer connection, its worker conversation, and the media between them.
 
     microphone track (48 kHz Opus) --> MicResampler (16 kHz mono s16le) --> WorkerLink --> worker
-    worker --VideoChunk (4 frames + their audio)--> Playout (jitter buffer, one clock)
+    worker --VideoChunk (4 frames + their audio)--> TrackPlayoutClock (jitter buffer, one clock)
            --> CharacterVideoTrack (a frame every 1/24 s) + CharacterAudioTrack (20 ms packets)
     data channel "events": session state, speech events, per-chunk timing and per-frame audio
     peaks, playout figures -> the page; hangup and interrupt <- the page
@@ -30,7 +30,7 @@ from characters_jax.viewer.media import (
     CharacterAudioTrack,
     CharacterVideoTrack,
     MicResampler,
-    Playout,
+    TrackPlayoutClock,
     Upsampler,
 )
 
@@ -112,7 +112,7 @@ class ViewerBridge:
             await take_offer()
         finally:
             session = await opening  # a LinkError wins over an OfferError: the page is told about the worker first
-        self.playout = Playout(session.fps, o.audio_rate, o.prebuffer_chunks * session.frames_per_step, session.frames_per_step)
+        self.playout = TrackPlayoutClock(session.fps, o.audio_rate, o.prebuffer_chunks * session.frames_per_step, session.frames_per_step)
         self.pc.addTrack(CharacterVideoTrack(self.playout, on_frame=self._on_frame_sent))
         self.pc.addTrack(CharacterAudioTrack(self.playout))
         await gather_on(self.pc, LOOPBACK)

@@ -26,7 +26,7 @@ import numpy as np
 
 from characters_jax.client.credentials import ClientCredentials
 from characters_jax.client.requests import start_request
-from characters_jax.client.stream import AsyncConversation
+from characters_jax.client.stream import AsyncConversationStream
 from characters_jax.client.targets import aio_channel
 from characters_jax.protos_gen import characters_pb2 as pb
 
@@ -96,7 +96,7 @@ class WorkerLink:
         self.target = target
         self._channel, t = aio_channel(target, credentials=credentials)
         self._balanced = t.balanced
-        self._conv: AsyncConversation | None = None
+        self._conv: AsyncConversationStream | None = None
         self._messages = None
         self.session: SessionInfo | None = None
         self.sent_samples = 0
@@ -110,7 +110,7 @@ class WorkerLink:
         """Opens the session on a Converse stream. Raises LinkError (the worker's refusal:
         INVALID_ARGUMENT for an image it cannot read, RESOURCE_EXHAUSTED when busy, ...)."""
         start = start_request(image=image, prompt=prompt, seed=seed, playout_reports=True, begin_with_speech=True)
-        self._conv = AsyncConversation.open(self._channel, start, balanced=self._balanced)
+        self._conv = AsyncConversationStream.open(self._channel, start, balanced=self._balanced)
         self._messages = self._conv.__aiter__()
         try:
             first = await asyncio.wait_for(self._messages.__anext__(), timeout_s)

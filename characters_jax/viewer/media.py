@@ -4,7 +4,7 @@ voice played out on one clock as WebRTC tracks.
 - `MicResampler`: the browser's audio track (48 kHz, any layout) -> 16 kHz mono s16le.
 - `Upsampler`: the chunks' 16 kHz audio -> the outgoing track's rate (an integer multiple),
   exactly `ratio` output samples per input sample, so sample positions stay frame-aligned.
-- `Playout`: a jitter buffer of the worker's chunks and the clock both tracks read. Frame k
+- `TrackPlayoutClock`: a jitter buffer of the worker's chunks and the clock both tracks read. Frame k
   plays at media time k / fps and audio sample p at p / rate; media time m is due at wall
   time t0 + shift + m. Playback starts once `prebuffer_frames` frames are in; a frame (or
   audio) not there when due is an underrun: the clock stalls (shift grows) until the buffer
@@ -81,7 +81,7 @@ class Upsampler:
         return np.clip(np.rint(y), -32768, 32767).astype(np.int16)
 
 
-class Playout:
+class TrackPlayoutClock:
     """The jitter buffer and playout clock shared by the video and the audio track.
 
     push() takes the frames of one chunk and their audio at `audio_rate`, in order. The
@@ -276,7 +276,7 @@ class CharacterVideoTrack(MediaStreamTrack):
 
     kind = "video"
 
-    def __init__(self, playout: Playout, on_frame=None):
+    def __init__(self, playout: TrackPlayoutClock, on_frame=None):
         super().__init__()
         self.playout = playout
         self.on_frame = on_frame  # on_frame(index) after each frame is handed to the encoder
@@ -300,7 +300,7 @@ class CharacterAudioTrack(MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, playout: Playout):
+    def __init__(self, playout: TrackPlayoutClock):
         super().__init__()
         self.playout = playout
         self.samples = round(AUDIO_PACKET_S * playout.audio_rate)
