@@ -89,9 +89,10 @@ def run_bench(args) -> dict:
 
     cfg = with_engine_arguments(load_config(args.config), args)
     cfg.validate_tp(args.tp)
-    options = resolve_engine(cfg)  # a bad option fails here, before any parameter exists
-    # Before the backend starts: the GPU pool from the plan (PlacementError if it cannot fit).
+    # Before the backend starts (resolving the engine's options reads the backend): the GPU
+    # pool from the plan (PlacementError if it cannot fit).
     placement = size_generator_pool(cfg, args.tp)
+    options = resolve_engine(cfg)  # a bad option fails here, before any parameter exists
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
     log(f"[bench] {cfg.name}: {count_params(cfg.model) / 1e9:.3f}B params, tp={args.tp}, "
         f"mode={cfg.cache.mode}, cache={cfg.cache.dtype}, attention={options.attention}, "
