@@ -23,13 +23,7 @@ import tomllib
 
 import grpc
 
-from characters_jax.wire.credential_files import (
-    check_ca,
-    check_key_pair,
-    read_file,
-    read_tokens,
-    validity_problem,
-)
+from characters_jax.wire.credential_files import check_ca, check_key_pair, read_file, read_tokens, validity_problem
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,13 +19,7 @@ import grpc
 
 from characters_jax.client.errors import ConversationError
 from characters_jax.client.playout_clock import PlayoutClock
-from characters_jax.client.requests import (
-    END_OF_AUDIO,
-    END_OF_SPEECH,
-    audio_request,
-    interrupt_request,
-    playout_request,
-)
+from characters_jax.client.requests import END_OF_AUDIO, END_OF_SPEECH, audio_request, interrupt_request, playout_request
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 

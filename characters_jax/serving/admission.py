@@ -14,11 +14,7 @@ import threading
 
 import grpc
 
-from characters_jax.serving.rpc_handlers import (
-    WatchedResponses,
-    behavior_of,
-    with_behavior,
-)
+from characters_jax.serving.rpc_handlers import WatchedResponses, behavior_of, with_behavior
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from characters_jax.serving.rpc_handlers import (
-    WatchedResponses,
-    behavior_of,
-    with_behavior,
-)
+from characters_jax.serving.rpc_handlers import WatchedResponses, behavior_of, with_behavior
 
 UNKNOWN_METHOD = "unknown"  # the label of methods the worker does not serve (a client's string: never a label)
 

@@ -47,11 +47,7 @@ def _compile_generator(cfg, tp: int, random_weights: bool, placement):
     from characters_jax.engine.generator import compile_programs
     from characters_jax.engine.step import Engine
     from characters_jax.parallel.sharding import make_mesh
-    from characters_jax.serving.placement import (
-        check_measured,
-        memory_plan_line,
-        pool_bytes,
-    )
+    from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes
 
     t0 = time.perf_counter()
     engine = Engine(cfg, make_mesh(tp))
@@ -116,12 +112,7 @@ def run_worker(args) -> int:
     from characters_jax.config import load_config, with_engine_arguments
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.metrics import WorkerMetrics
-    from characters_jax.serving.placement import (
-        GIB,
-        apply_to_this_process,
-        plan,
-        visible_gpus,
-    )
+    from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
     from characters_jax.serving.supervisor import Supervisor
     from characters_jax.serving.worker import WorkerContext
     from characters_jax.serving.worker_server import WorkerServer
@@ -147,11 +138,7 @@ def run_worker(args) -> int:
                      decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
                      generator_memory_fraction=args.memory_fraction)
     apply_to_this_process(placement.generator_env())
-    from characters_jax.decoder.weights import (
-        WeightsError,
-        checkpoint_path,
-        dit_checkpoint,
-    )
+    from characters_jax.decoder.weights import WeightsError, checkpoint_path, dit_checkpoint
 
     try:  # the weights checked against the config (after the placement: this starts JAX), before any compile
         path = checkpoint_path(args.checkpoint, cfg.name)

@@ -12,12 +12,7 @@ from __future__ import annotations
 import grpc
 
 from characters_jax.serving.auth import BearerTokenInterceptor, TokenFile
-from characters_jax.wire.credential_files import (
-    check_ca,
-    check_key_pair,
-    read_file,
-    validity_problem,
-)
+from characters_jax.wire.credential_files import check_ca, check_key_pair, read_file, validity_problem
 
 
 def server_credentials(cert_path: str, key_path: str, client_ca_path: str | None = None) -> grpc.ServerCredentials:

@@ -36,20 +36,11 @@ from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.admission import Admission, RpcLimits, admitted
 from characters_jax.serving.health import HEALTH_SERVICE, WorkerHealth
 from characters_jax.serving.request_reader import RequestReader, with_idle_deadline
-from characters_jax.serving.rpc_handlers import (
-    behavior_of,
-    generated_handlers,
-    register,
-    with_behavior,
-)
+from characters_jax.serving.rpc_handlers import behavior_of, generated_handlers, register, with_behavior
 from characters_jax.serving.rpc_metrics import RpcMetricsInterceptor
 from characters_jax.serving.rpc_pool import RpcPool
 from characters_jax.serving.session import SessionTable
-from characters_jax.serving.worker import (
-    CharacterServicer,
-    WorkerContext,
-    WorkerOptions,
-)
+from characters_jax.serving.worker import CharacterServicer, WorkerContext, WorkerOptions
 from characters_jax.wire.channel_options import worker_server_options
 
 log = logging.getLogger("characters_jax.serving.worker_server")

@@ -26,13 +26,7 @@ from aiortc.mediastreams import MediaStreamError
 from characters_jax.client.credentials import ClientCredentials
 from characters_jax.viewer.ice import LOOPBACK, OfferError, gather_on, loopback_offer
 from characters_jax.viewer.link import ChunkEvent, SpeechNote, WorkerLink
-from characters_jax.viewer.media import (
-    CharacterAudioTrack,
-    CharacterVideoTrack,
-    MicResampler,
-    TrackPlayoutClock,
-    Upsampler,
-)
+from characters_jax.viewer.media import CharacterAudioTrack, CharacterVideoTrack, MicResampler, TrackPlayoutClock, Upsampler
 
 log = logging.getLogger("characters_jax.viewer.bridge")
 
