@@ -109,9 +109,14 @@ class Fixture:
         assert self.decide(s) == RUN, (s, self.decide(s))
         return self.conv.next_step(s)
 
+    def emit(self, s) -> bool:
+        """Puts step s's chunk on the stream (its message: ("chunk", s, first playback frame))."""
+        placed = self.conv.chunk_placement(s)
+        return placed is not None and self.conv.emit_chunk(placed, ("chunk", s, placed.first_play_frame), 4)
+
     def send(self, s):
         """Emits step s's chunk and has the stream deliver it at once."""
-        if not self.conv.emit_chunk(s, 4, lambda plan, first: ("chunk", s, first)):
+        if not self.emit(s):
             return False
         self.conv.delivered(4, self.conv.epoch)
         return True
@@ -212,7 +217,7 @@ def test_a_client_that_stops_reading_holds_the_clock():
     f.run(0)
     f.send(0)
     f.run(1)
-    f.conv.emit_chunk(1, 4, lambda plan, first: ("chunk", 1, first))  # on the stream, not taken by gRPC
+    assert f.emit(1)  # on the stream, not taken by gRPC
     f.t = 10.0
     assert f.conv.playback.played(f.t) == 4  # the client can have played only what it got
     f.run(2)  # one step ahead of that
@@ -220,6 +225,24 @@ def test_a_client_that_stops_reading_holds_the_clock():
     f.conv.delivered(4, f.conv.epoch)  # gRPC takes chunk 1: playback goes on from now
     f.t = 10.0 + 1.01 / 24
     assert f.decide(3) == RUN
+
+
+def test_an_interrupt_while_a_chunk_is_built_drops_that_chunk():
+    """The chunk's message is built outside the lock: an interrupt between its placement and
+    its emission drops it (nothing of it reaches the stream); a chunk placed after plays."""
+    f = Fixture(lead=3)
+    f.conv.push_audio(np.arange(1, 3 * STEP, dtype=np.int16))
+    f.run(0)
+    f.run(1)
+    f.send(0)
+    placed = f.conv.chunk_placement(1)
+    assert placed is not None and placed.first_play_frame == 4
+    f.conv.interrupt(frames_played=2)
+    before = len(f.out)
+    assert not f.conv.emit_chunk(placed, ("chunk", 1, placed.first_play_frame), 4)
+    assert len(f.out) == before and f.conv.chunk_placement(1) is None
+    f.run(2)
+    assert f.send(2) and f.out[-1] == ("chunk", 2, 2)  # right after the interrupted frame
 
 
 def test_interrupt_drops_unsent_steps_and_reports_the_position():

@@ -94,9 +94,11 @@ class FakeWorker:
             client = CharacterClient(w.address)
     """
 
-    def __init__(self, config="tiny", options=None, host: str = "127.0.0.1", port: int = 0, credentials=None, interceptors=()):
+    def __init__(self, config="tiny", options=None, host: str = "127.0.0.1", port: int = 0, credentials=None, interceptors=(),
+                 generator: FakeGenerator | None = None):
         """credentials, interceptors: the server's TLS credentials and interceptors
-        (credentials.worker_transport), as WorkerServer takes them."""
+        (serving/tls.py: worker_transport), as WorkerServer takes them. generator: the
+        FakeGenerator to serve (default: a new one)."""
         import threading
 
         from characters_jax.audio.features import AudioFrontEnd
@@ -112,7 +114,7 @@ class FakeWorker:
         self.config = cfg
         self.vae = FakeVaeRuntime(cfg)
         self.decoder_server, dport = start_decoder_server(self.vae, "127.0.0.1:0")
-        self.generator = FakeGenerator(cfg)
+        self.generator = generator or FakeGenerator(cfg)
         self.decoder = DecoderClient(f"127.0.0.1:{dport}", cfg)
         ctx = WorkerContext(cfg, self.generator, threading.Lock(), AudioFrontEnd(cfg), Timeline.from_config(cfg), self.decoder, WorkerMetrics())
         self.server = WorkerServer(ctx, options or WorkerOptions(), host, port, credentials=credentials, interceptors=interceptors)

@@ -15,7 +15,8 @@ Waiting is on the condition variable with timeouts computed from the clocks and 
 limits, never a fixed sleep after a step. Every state change notifies it.
 
 Speech events (`Note`) and chunks (`Chunk`) go out through `emit(item)`, always called
-under the lock, so their order is the order of the stream. A chunk counts as sent when the
+under the lock, so their order is the order of the stream. A chunk's message is built
+outside the lock (`chunk_placement`, then `emit_chunk`). A chunk counts as sent when the
 stream has handed it to gRPC (`delivered`), which waits for flow control: a client that
 stops reading holds the clock, and with it the step loop.
 """
@@ -62,8 +63,8 @@ class Note:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """A chunk on its way out: the message `emit_chunk`'s build made, its frame count, and
-    the interrupt epoch it belongs to (a chunk of an earlier epoch is one the client drops)."""
+    """A chunk on its way out: its message, its frame count, and the interrupt epoch it
+    belongs to (a chunk of an earlier epoch is one the client drops)."""
 
     message: object
     frames: int
@@ -89,6 +90,15 @@ class StepPlan:
     window: np.ndarray
     before: list[Note]
     after: list[Note]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlacement:
+    """Where a decoded step's chunk goes: its plan and the playback timeline frame its first
+    frame plays at."""
+
+    plan: StepPlan
+    first_play_frame: int
 
 
 class PlaybackPosition:
@@ -339,19 +349,29 @@ class ConversationState:
         return plan
 
     # -- chunks going out (decoder link thread) ------------------------------------------
-    def emit_chunk(self, step: int, frames: int, build: Callable[[StepPlan, int], object]) -> bool:
-        """Puts step's chunk, `build(plan, first playback frame)`, on the stream between its
-        notes. Returns False when an interrupt dropped the step."""
+    def chunk_placement(self, step: int) -> ChunkPlacement | None:
+        """Where step's chunk goes: its plan and its first frame on the playback timeline;
+        None when an interrupt dropped the step. The caller builds the chunk's message
+        outside the lock, then puts it out with `emit_chunk`."""
         with self.cond:
-            plan = self.plans.pop(step, None)
+            plan = self.plans.get(step)
             if plan is None:
+                return None
+            return ChunkPlacement(plan, step * self.tl.frames_per_step - self.playback.skipped)
+
+    def emit_chunk(self, placed: ChunkPlacement, message: object, frames: int) -> bool:
+        """Puts the chunk `message` of `placed` (`chunk_placement`) on the stream between
+        its notes. Returns False when an interrupt dropped the step meanwhile."""
+        with self.cond:
+            step = placed.plan.step
+            if self.plans.get(step) is not placed.plan:
                 return False
-            first = step * self.tl.frames_per_step - self.playback.skipped
-            for note in plan.before:
+            del self.plans[step]
+            for note in placed.plan.before:
                 self._note(note)
-            self._emit(Chunk(build(plan, first), frames, self.epoch))
-            self._emitted_end = first + frames
-            for note in plan.after:
+            self._emit(Chunk(message, frames, self.epoch))
+            self._emitted_end = placed.first_play_frame + frames
+            for note in placed.plan.after:
                 self._note(note)
             return True
 

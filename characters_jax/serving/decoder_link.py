@@ -13,6 +13,7 @@ a loopback address (decoder/address.py's `require_loopback`, checked by `decode-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -66,11 +67,21 @@ class DecoderClient:
         self.channel.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class QueuedLatent:
+    """A step's latent waiting for the stream: its (device) array and when the step was
+    dispatched (time.perf_counter)."""
+
+    step: int
+    latent: object
+    dispatched_at: float
+
+
 class DecoderLink:
     def __init__(self, client: DecoderClient, session_id: str, on_chunk, on_error, on_end):
         self._client = client
         self._session_id = session_id
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue[QueuedLatent | None] = queue.Queue()  # None: no more latents
         self._on_chunk, self._on_error, self._on_end = on_chunk, on_error, on_end
         self._timing: dict[int, float] = {}
         self._prev_ready = 0.0
@@ -82,7 +93,7 @@ class DecoderLink:
         self._thread.start()
 
     def submit(self, step: int, latent) -> None:
-        self._q.put((step, latent, time.perf_counter()))
+        self._q.put(QueuedLatent(step, latent, time.perf_counter()))
 
     def finish(self) -> None:
         """No more latents: the stream ends after the queued ones are decoded."""
@@ -101,12 +112,11 @@ class DecoderLink:
             item = self._q.get()
             if item is None:
                 return
-            step, latent, t_dispatch = item
-            host = np.asarray(latent)  # waits for this step's compute
+            host = np.asarray(item.latent)  # waits for this step's compute
             t_ready = time.perf_counter()
-            self._timing[step] = (t_ready - max(t_dispatch, self._prev_ready)) * 1e3
+            self._timing[item.step] = (t_ready - max(item.dispatched_at, self._prev_ready)) * 1e3
             self._prev_ready = t_ready
-            yield decoder_pb2.LatentChunk(session_id=self._session_id, step_index=step, latent=tensor_to_proto(host))
+            yield decoder_pb2.LatentChunk(session_id=self._session_id, step_index=item.step, latent=tensor_to_proto(host))
 
     def _read(self) -> None:
         try:

@@ -21,16 +21,18 @@ from characters_jax.audio.timeline import Timeline
 from characters_jax.config import Config
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving.conversation import Limits
+from characters_jax.serving.conversation import Chunk, Limits
 from characters_jax.serving.decoder_link import DecoderClient, DecoderUnavailable
 from characters_jax.serving.health import WorkerHealth
-from characters_jax.serving.live import LiveSession, StreamOptions
+from characters_jax.serving.live import LiveSession, SessionEnd, SpeechOut, StreamOptions
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.session import SessionRecord, SessionTable, SlotBusy
 from characters_jax.wire.images import ImageError, ImageLimits, load_reference_image
 from characters_jax.wire.service import AUDIO_ENCODINGS
 
 log = logging.getLogger("characters_jax.serving.worker")
+
+END_WAIT_S = 10.0  # how long CloseSession and the drain wait for a running session's step loop to end it
 
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
@@ -99,6 +101,12 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         self._live: LiveSession | None = None
         self._live_lock = threading.Lock()
         self.draining = threading.Event()
+
+    @property
+    def live(self) -> LiveSession | None:
+        """The session that runs or ran last on a Converse stream (None before the first)."""
+        with self._live_lock:
+            return self._live
 
     def _proto(self, rec: SessionRecord) -> pb.Session:
         return session_proto(rec, self.ctx.config, self.options.worker_id)
@@ -184,13 +192,14 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         return self._proto(rec)
 
     def end_session(self, rec: SessionRecord, message: str, reason: str) -> None:
-        """READY or RUNNING -> CANCELLED; a finished session is left as it is."""
+        """READY or RUNNING -> CANCELLED; a finished session is left as it is. A running
+        session is ended by its step loop: this waits up to END_WAIT_S for it."""
         with self._live_lock:
             live = self._live if self._live is not None and self._live.rec is rec else None
-        if live is not None:
-            live.finish("CANCELLED", grpc.StatusCode.CANCELLED, message, reason)
-        else:
+        if live is None:
             self.table.transition(rec, "CANCELLED", grpc.StatusCode.CANCELLED, message, reason)
+        elif not live.request_end(SessionEnd("CANCELLED", grpc.StatusCode.CANCELLED, message, reason), wait_s=END_WAIT_S):
+            log.warning("the session has not ended yet", extra=live.fields(reason=reason, waited_s=END_WAIT_S))
 
     def drain(self, timeout_s: float) -> str:
         """SIGTERM: NOT_SERVING at once, no new sessions (UNAVAILABLE); the live session goes
@@ -237,7 +246,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             if not self.table.transition(rec, "RUNNING"):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {rec.session_id} is {rec.state}, not READY; create a new session")
             self._live = live
-        gone = functools.partial(live.finish, "CANCELLED", grpc.StatusCode.CANCELLED, "the client went away (the RPC ended)", "CLIENT_GONE")
+        gone = functools.partial(live.request_end, SessionEnd("CANCELLED", grpc.StatusCode.CANCELLED, "the client went away (the RPC ended)", "CLIENT_GONE"))
         live.start(request_iterator, context)
         if not context.add_callback(gone):  # it ended while the session was opening
             gone()
@@ -245,17 +254,16 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         log.info("session running", extra=live.fields(playout_reports=start.playout_reports, begin_with_speech=start.begin_with_speech, lead_chunks=self.options.lead_chunks))
         yield pb.ConverseResponse(session=self._owner_proto(rec) if which == "create" else self._proto(rec))
         while True:
-            item = live.out.get()
-            if item[0] == "msg":
-                yield item[1]
-                continue
-            if item[0] == "chunk":
-                yield item[1]
-                live.conv.delivered(item[2], item[3])
-                continue
-            _, state, code, message, reason = item
-            yield pb.ConverseResponse(session_event=pb.SessionEvent(state=pb.SessionState.Value(state), message=message, steps=rec.steps,
-                                                                    end_reason=pb.EndReason.Value(reason), frames=rec.frames))
-            if code != grpc.StatusCode.OK:
-                context.abort(code, message)
-            return
+            match live.out.get():
+                case SpeechOut(message=message):
+                    yield message
+                case Chunk(message=message, frames=frames, epoch=epoch):
+                    yield message
+                    live.conv.delivered(frames, epoch)
+                case SessionEnd(state=state, code=code, message=message, reason=reason):
+                    yield pb.ConverseResponse(session_event=pb.SessionEvent(
+                        state=pb.SessionState.Value(state), message=message, steps=rec.steps, end_reason=pb.EndReason.Value(reason),
+                        frames=rec.frames))
+                    if code != grpc.StatusCode.OK:
+                        context.abort(code, message)
+                    return
