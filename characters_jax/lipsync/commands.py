@@ -1,4 +1,4 @@
-"""`characters-jax lipsync`: train-probe, evaluate, score."""
+"""`characters-jax lipsync`: train-probe, evaluate, score; train-features, fidelity."""
 
 from __future__ import annotations
 
@@ -31,6 +31,39 @@ def _train_probe(args) -> int:
     probe.save(out)
     print(json.dumps(meta["validation"], indent=1))
     print(f"wrote {out}")
+    return 0
+
+
+def _train_features(args) -> int:
+    from characters_jax.lipsync.feature_net import FeatureSpec, default_path, train_features
+
+    spec = FeatureSpec(steps=args.steps, batch=args.batch, pool=args.pool, seed=args.seed, lr=args.lr)
+    net, meta = train_features(spec)
+    out = args.out or default_path()
+    command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    net = dataclasses.replace(net, cfg=dataclasses.replace(net.cfg, meta={**net.cfg.meta, "command": command}))
+    net.save(out)
+    print(json.dumps(meta["validation"], indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def _fidelity(args) -> int:
+    from characters_jax.data.speech import EspeakError
+    from characters_jax.decoder.weights import WeightsError
+    from characters_jax.lipsync.fidelity_eval import ValidationSettings, markdown, validate_measure
+
+    settings = ValidationSettings(weights=args.weights, clips=args.clips, seconds=args.seconds, seed=args.seed,
+                                  demo=not args.no_demo, random_weights=not args.no_random)
+    try:
+        result = validate_measure(settings)
+    except (EspeakError, WeightsError, ValueError, FileNotFoundError) as err:
+        print(f"characters-jax lipsync fidelity: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+    print(markdown(result))
     return 0
 
 
@@ -68,7 +101,8 @@ def _score(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("lipsync", help="the lip-sync measure: train its probes, evaluate them, score clips")
+    p = subparsers.add_parser("lipsync", help="the lip-sync and fidelity measures: train their networks, evaluate "
+                                              "them, score clips")
     sub = p.add_subparsers(dest="lipsync_command", metavar="ACTION", required=True)
 
     t = sub.add_parser("train-probe", help="train the mouth or identity probe on rendered faces (no espeak)")
@@ -92,6 +126,27 @@ def register(subparsers) -> None:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", default=None, help="also write the result here")
     e.set_defaults(func=_evaluate)
+
+    f = sub.add_parser("train-features", help="train the fidelity measure's feature network on rendered faces (no espeak)")
+    f.add_argument("--steps", type=int, default=3000)
+    f.add_argument("--batch", type=int, default=64)
+    f.add_argument("--pool", type=int, default=8192, help="rendered frames the batches are drawn from")
+    f.add_argument("--lr", type=float, default=2e-3)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", default=None, help="weights file (default: the shipped characters_jax/lipsync/weights/)")
+    f.set_defaults(func=_train_features)
+
+    v = sub.add_parser("fidelity", help="the fidelity measure's figures: ground truth, the VAE, planted faults, "
+                                        "a weights directory's frames (espeak-ng speech)")
+    v.add_argument("--weights", default="auto",
+                   help="weights directory ('auto': the bundled talking weights; 'none': no VAE or generated rows)")
+    v.add_argument("--clips", type=int, default=4, help="held-out clips")
+    v.add_argument("--seconds", type=float, default=8.0)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--no-demo", action="store_true", help="leave out the weights' demo clip")
+    v.add_argument("--no-random", action="store_true", help="leave out the random-weights row")
+    v.add_argument("--json", default=None, help="also write the result here")
+    v.set_defaults(func=_fidelity)
 
     s = sub.add_parser("score", help="lip sync of a data directory's frames against its mouth tracks")
     s.add_argument("--data", required=True, help="a directory written by `characters-jax data`")

@@ -10,7 +10,7 @@ import pathlib
 from characters_jax.numerics.lipsync_gate import SCORES, GateResult, Row
 
 LABELS = {"lipsync": "lip-sync confidence", "identity": "identity distance", "drift_lipsync": "drift of lip sync",
-          "drift_identity": "drift of identity"}
+          "drift_identity": "drift of identity", "fidelity": "fidelity: colour error (/255)"}
 
 
 def _f(x, spec: str = "+.4f") -> str:
@@ -29,8 +29,8 @@ def verdict_rule(result: GateResult) -> str:
     st = result.settings
     rule = ("max over the perturbed reference runs r of |d_r|" if st.rule == "max"
             else "sqrt(mean over the perturbed reference runs r of d_r^2)")
-    return (f"Verdict: a variant passes when, for lip-sync confidence, identity distance and (if measured) their "
-            f"drift, |D| <= max({st.factor:g} x V, {st.floor:g}), where D is the variant's mean per-clip difference "
+    return (f"Verdict: a variant passes when, for lip-sync confidence, identity distance, (if measured) their "
+            f"drift and fidelity (the worst region's mean-colour difference from the ground truth), |D| <= max({st.factor:g} x V, {st.floor:g}), where D is the variant's mean per-clip difference "
             f"from the base reference run over the same {len(result.base.clips.confidence)} held-out clips, "
             f"d_r the same for reference run r, and V = {rule} (`--variation {st.rule}`, `--factor {st.factor:g}`). "
             f"Exit status 1 when a default-path variant ({', '.join(_default_rows(result)) or 'production'}) fails.")
@@ -56,18 +56,21 @@ def table(result: GateResult) -> str:
     """Markdown: the reference runs (their d_r), the variation, then one row per variant."""
     v = result.variations
     lines = ["| variant | lip-sync diff | run-to-run variation (allowed) | identity diff | variation (allowed) | "
-             "drift diff: lip sync / identity | latent rel-L2 mean | latent verdict | lip-sync verdict | note |",
-             "|" + "---|" * 10]
+             "drift diff: lip sync / identity | fidelity diff (allowed) | latent rel-L2 mean | latent verdict | "
+             "lip-sync verdict | note |",
+             "|" + "---|" * 11]
 
     def line(r: Row, ref: bool):
         lat = "-" if r.latent is None else _f(r.latent.latent_mean, ".2e")
         lat_ok = "(ref)" if ref else ("-" if r.latent is None else ("within" if r.latent.ok else "outside"))
         d, ok = r.diffs, r.ok
-        tol = {s: "" if ref or r.status != "ran" else "+-" + _f(v[s].tolerance, ".4f") for s in ("lipsync", "identity")}
+        tol = {s: "" if ref or r.status != "ran" else "+-" + _f(v[s].tolerance, ".4f")
+               for s in ("lipsync", "identity", "fidelity")}
         lines.append(f"| {r.name} | {_f(d['lipsync'])}{_mark(None if ref else ok['lipsync'])} | {tol['lipsync']} | "
                      f"{_f(d['identity'])}{_mark(None if ref else ok['identity'])} | {tol['identity']} | "
                      f"{_f(d['drift_lipsync'])}{_mark(None if ref else ok['drift_lipsync'])} / "
-                     f"{_f(d['drift_identity'])}{_mark(None if ref else ok['drift_identity'])} | {lat} | {lat_ok} | "
+                     f"{_f(d['drift_identity'])}{_mark(None if ref else ok['drift_identity'])} | "
+                     f"{_f(d['fidelity'])}{_mark(None if ref else ok['fidelity'])} {tol['fidelity']} | {lat} | {lat_ok} | "
                      f"{'(ref)' if ref else r.verdict} | {r.note} |")
 
     for r in result.ref_rows:
@@ -75,7 +78,8 @@ def table(result: GateResult) -> str:
     lines.append(f"| **reference variation** ({result.settings.rule}) | | {_f(v['lipsync'].value, '.4f')} "
                  f"({_f(v['lipsync'].tolerance, '.4f')}) | | {_f(v['identity'].value, '.4f')} "
                  f"({_f(v['identity'].tolerance, '.4f')}) | {_f(v['drift_lipsync'].tolerance, '.4f')} / "
-                 f"{_f(v['drift_identity'].tolerance, '.4f')} allowed | {result.latent_spread.latent_mean:.2e} | "
+                 f"{_f(v['drift_identity'].tolerance, '.4f')} allowed | {_f(v['fidelity'].value, '.4f')} "
+                 f"({_f(v['fidelity'].tolerance, '.4f')}) | {result.latent_spread.latent_mean:.2e} | "
                  f"x{result.settings.factor:g} allowed | | |")
     for r in result.rows:
         line(r, False)
@@ -111,6 +115,8 @@ def to_json(result: GateResult) -> dict:
         d = {"confidence": [round(float(x), 6) for x in run.clips.confidence],
              "identity": [clean(round(float(x), 6)) for x in run.clips.identity],
              "lag": [int(x) for x in run.clips.lag]}
+        if run.fidelity is not None:
+            d["fidelity"] = [clean(round(float(x), 4)) for x in run.fidelity]
         if run.drift is not None:
             d["drift_confidence"] = [round(float(x), 6) for x in run.drift.confidence]
             d["drift_identity"] = [clean(round(float(x), 6)) for x in run.drift.identity]

@@ -12,9 +12,10 @@ every step's noise; another tp size; on GPUs an identical repeat). Each variant 
 `runs.VARIANTS` runs once on the same clips, its FP8 weights (if any) the checkpoint's float
 weights quantized at load (`runs.fp8_params`, as a deployment would). Per score (lip-sync
 confidence; identity distance to the portrait; drift: the change of both from the first to
-the last window of longer clips) `quality.Variation` gives the reference's run-to-run
-variation and the verdict; the latent distance of the same runs (`metrics.judge`) stands
-beside it as a diagnostic.
+the last window of longer clips; fidelity: the worst region's mean-colour difference from the
+clip's ground-truth renders, `lipsync.fidelity`) `quality.Variation` gives the reference's
+run-to-run variation and the verdict; the latent distance of the same runs (`metrics.judge`)
+stands beside it as a diagnostic.
 
 A variant name may carry a tensor-parallel size: 'production@tp2'. Variants whose own
 arithmetic cannot run on this backend (Pallas kernels off Hopper, a tp size above the device
@@ -43,7 +44,7 @@ DEFAULT_VARIANTS = ("ring-bf16", "ring-fp8", "fp8-attention", "qkv-kernel", "fp8
                     "production@tp2")
 # Variants whose failure fails the command (exit 1): the path that serves by default.
 DEFAULT_PATH = ("production",)
-SCORES = ("lipsync", "identity", "drift_lipsync", "drift_identity")
+SCORES = ("lipsync", "identity", "drift_lipsync", "drift_identity", "fidelity")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +121,8 @@ def parse_variant(name: str) -> tuple[R.Variant, int | None]:
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     """One run's scores (None: not run; `status` says why): clips (ClipScores), drift
-    (DriftScores, None when not measured)."""
+    (DriftScores, None when not measured), fidelity (float64 [n]: each clip's colour error
+    against its ground truth, /255)."""
 
     name: str
     status: str  # "ran" | "not run here (...)" | "not run (time budget ...)" | "failed (...)"
@@ -128,6 +130,7 @@ class RunResult:
     drift: DriftScores | None = None
     note: str = ""
     tp: int = 1
+    fidelity: np.ndarray | None = None
 
     @property
     def ran(self) -> bool:
@@ -137,6 +140,8 @@ class RunResult:
         """Per-clip values of `score` (one of SCORES); None when not measured."""
         if score in ("lipsync", "identity"):
             return None if self.clips is None else (self.clips.confidence if score == "lipsync" else self.clips.identity)
+        if score == "fidelity":
+            return self.fidelity
         if self.drift is None:
             return None
         return self.drift.confidence if score == "drift_lipsync" else self.drift.identity
@@ -198,6 +203,7 @@ class _Setup:
     probes: Probes
     clips: object  # ClipInputs
     drift: object | None  # ClipInputs of the long clips
+    fidelity: list  # a lipsync.fidelity.FidelityReference per clip
     window: int
     notes: list[str]
     timer: R.Timer
@@ -223,8 +229,10 @@ def prepare(settings: GateSettings) -> _Setup:
     """Opens the weights (FileNotFoundError / WeightsError before anything runs), makes or
     loads the held-out plans, encodes the clips' inputs, restores the reference's params."""
     from characters_jax.checkpoint import restore_params
+    from characters_jax.data.face import render_frames
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.lipsync.fidelity_eval import references
     from characters_jax.numerics.clips import clip_inputs, make_plans
 
     started = time.perf_counter()
@@ -247,12 +255,17 @@ def prepare(settings: GateSettings) -> _Setup:
         engine = R.make_engine(ref_cfg, settings.tp)
         params = restore_params(dit, engine)
         probes = Probes.load()
+    with timer("fidelity references"):
+        h, w = cfg.video.height, cfg.video.width
+        truth = [render_frames(plans.identity[i], plans.params[i], h, w) for i in range(len(plans))]
+        fidelity = references(plans.identity, truth, clips.portrait)
     if probes.identity is None:
         notes.append("no identity probe weights: identity not measured")
     if drift is None:
         notes.append("drift not measured (--drift-clips 0)")
     window = int(round(settings.drift_window_s * cfg.video.fps))
-    return _Setup(settings, ref_cfg, cfg, engine, params, vae, probes, clips, drift, window, notes, timer, started)
+    return _Setup(settings, ref_cfg, cfg, engine, params, vae, probes, clips, drift, fidelity, window, notes, timer,
+                  started)
 
 
 def _perturbation(setup: _Setup, ulp_seed: int):
@@ -264,6 +277,13 @@ def _perturbation(setup: _Setup, ulp_seed: int):
         return R.nudge_ulp(latent, dt, s), R.nudge_ulp(tokens, dt, s + 1)
 
     return perturb
+
+
+def _fidelity(setup: _Setup, latents: np.ndarray) -> np.ndarray:
+    """float64 [n]: each clip's colour error against its ground truth (latents decoded again)."""
+    frames = setup.clips.frames
+    return np.asarray([ref.score(setup.vae.decode_stream(z)[:frames]).colour_error
+                       for ref, z in zip(setup.fidelity, latents)], np.float64)
 
 
 def _run(setup: _Setup, label: str, engine, params, perturb=None, seed_shift: int = 0) -> tuple[ClipScores, DriftScores | None]:
@@ -317,7 +337,8 @@ def run_reference(setup: _Setup) -> tuple[list, RunResult, list[RunResult]]:
             perturb = _perturbation(setup, ulp) if ulp else None
             scores, drift = _run(setup, rr.label, engine, params, perturb,
                                  seed_shift=SEED_SHIFT * rr.ulp_seed if rr.kind == "seed" else 0)
-        result = RunResult(rr.label, "ran", scores, drift, note=_REF_NOTES.get(rr.kind, ""), tp=rr.tp)
+            fidelity = _fidelity(setup, scores.latents)
+        result = RunResult(rr.label, "ran", scores, drift, note=_REF_NOTES.get(rr.kind, ""), tp=rr.tp, fidelity=fidelity)
         if rr.kind == "base":
             base = result
         else:
@@ -346,6 +367,7 @@ def run_variant(setup: _Setup, name: str) -> RunResult:
             engine = R.make_engine(cfg, tp)
             params = R.place_params(engine, setup.params, setup.engine)
             scores, drift = _run(setup, name, engine, params)
+            fidelity = _fidelity(setup, scores.latents)
             del params, engine
     except ConfigError as err:  # a kernel the variant names does not run here
         return RunResult(name, f"not run here ({err})", tp=tp)
@@ -353,7 +375,7 @@ def run_variant(setup: _Setup, name: str) -> RunResult:
         setup.log(f"{name} failed:\n{traceback.format_exc()}")
         return RunResult(name, f"failed ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})",
                          tp=tp)
-    return RunResult(name, "ran", scores, drift, note=res.note, tp=tp)
+    return RunResult(name, "ran", scores, drift, note=res.note, tp=tp, fidelity=fidelity)
 
 
 def _flat(scores: ClipScores) -> np.ndarray:

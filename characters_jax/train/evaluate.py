@@ -16,10 +16,13 @@ ground-truth mouth track; rows of the table:
   random weights        the untrained model's frames (random DiT and VAE)
 
 Identity: the generated clip is nearest to its own portrait among all held-out portraits
-(the identity probe). Drift: long sessions, their first and last `window_s` seconds
-(lip-sync confidence beside the ground truth's, identity distance to the portrait),
-averaged over the sessions: one 10 s window's confidence varies with its speech by tens of
-per cent, so a single session cannot show a change of 10%.
+(the identity probe). Fidelity (`characters_jax.lipsync.fidelity`): per-region colour against
+the truth and the portrait, sharpness and KID of the rows through the VAE, generated and
+random weights, and their verdict (`fidelity_eval.evaluation_rows`). Drift: long sessions,
+their first and last `window_s` seconds (lip-sync confidence beside the ground truth's,
+identity distance to the portrait), averaged over the sessions: one 10 s window's
+confidence varies with its speech by tens of per cent, so a single session cannot show a
+change of 10%.
 """
 
 from __future__ import annotations
@@ -50,10 +53,11 @@ def portrait(identity: np.ndarray, params: np.ndarray, height: int, width: int) 
     return render_frames(identity, still_params(params, 1), height, width)[0]
 
 
-def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str, seed: int = 1,
-             frames: int | None = None) -> np.ndarray:
-    """uint8 [T, H, W, 3]: a session of `generator` (DiTGenerator) and `vae` (VaeRuntime)
-    on image uint8 [H, W, 3] and int16 speech [N], step by step as the worker runs it."""
+def generate_latents(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str,
+                     seed: int = 1) -> list:
+    """[steps] latents [gh, gw, C]: a session of `generator` (DiTGenerator) on image uint8
+    [H, W, 3] (encoded by `vae`, a VaeRuntime) and int16 speech [N], step by step as the
+    worker runs it."""
     from characters_jax.audio.features import AudioFrontEnd
     from characters_jax.audio.timeline import Timeline
 
@@ -61,9 +65,14 @@ def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, 
     timeline = Timeline.from_config(cfg)
     latent = np.asarray(vae.encode(image))
     generator.start_session(latent, list(prompt.encode("utf-8")), seed)
-    latents = [generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
-               for s in range(timeline.steps_for(len(audio)))]
-    video = vae.decode_stream(latents)
+    return [generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
+            for s in range(timeline.steps_for(len(audio)))]
+
+
+def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str, seed: int = 1,
+             frames: int | None = None) -> np.ndarray:
+    """uint8 [T, H, W, 3]: `generate_latents` decoded as the decoder process does."""
+    video = vae.decode_stream(generate_latents(cfg, generator, vae, image, audio, prompt, seed))
     return video[:frames] if frames is not None else video
 
 
@@ -128,6 +137,7 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     from characters_jax.data.face import render_frames
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.lipsync.fidelity_eval import evaluation_rows
     from characters_jax.lipsync.identity import identify, identity_distance
     from characters_jax.lipsync.probe import load_probe
     from characters_jax.lipsync.score import score
@@ -162,10 +172,11 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     n = len(made)
     other = [(i + 1) % n for i in range(n)]
     gt = [render_frames(plans.identity[i], plans.params[i], h, w) for i in range(n)]
+    recon = [reconstruct(vae, gt[i]) for i in range(n)]
     rows = {
         "ground truth": [score(gt[i], tracks[i], mouth) for i in range(n)],
         "ground truth, shuffled": [score(gt[i], tracks[other[i]], mouth) for i in range(n)],
-        "through the VAE": [score(reconstruct(vae, gt[i]), tracks[i], mouth) for i in range(n)],
+        "through the VAE": [score(recon[i], tracks[i], mouth) for i in range(n)],
         "generated": [score(made[i], tracks[i], mouth) for i in range(n)],
         "generated, shuffled": [score(made[i], tracks[other[i]], mouth) for i in range(n)],
     }
@@ -174,6 +185,10 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
                         "random weights", n)
         rows["random weights"] = [score(rand[i], tracks[i], mouth) for i in range(len(rand))]
     table = {k: _row(v) for k, v in rows.items()}
+    looks = {"through the VAE": recon, "generated": made}
+    if settings.random_baseline:
+        looks["random weights"] = rand
+    fidelity = evaluation_rows(plans.identity[:n], gt, portraits[:n], vae, looks)
     result = {"config": cfg.name, "clips": n, "frames": int(frames_n), "seconds": frames_n / cfg.video.fps,
               "backend": jax.default_backend(), "engine_options": engine_options or "defaults",
               "table": table, "per_clip": {k: [s.as_dict() for s in v] for k, v in rows.items()}}
@@ -181,6 +196,8 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     result["targets"] = {"confidence_vs_ground_truth": round(g / t, 3) if t else None,
                          "confidence_vs_shuffled": round(g / gs, 3) if gs > 0 else None,
                          "median_lag": table["generated"]["median_lag"]}
+    result["fidelity"] = {"table": fidelity["table"], "kid_baseline": fidelity["kid_baseline"]}
+    result["per_clip_fidelity"] = fidelity["per_clip"]
     if ident_probe is not None:
         refs = np.stack(portraits[:n])
         kept = [identify(made[i], refs, ident_probe).rank_of(i) == 0 for i in range(n)]
@@ -257,6 +274,12 @@ def markdown(result: dict) -> str:
     if isinstance(ident, dict):
         lines.append(f"Identity kept (nearest to its own portrait among {ident['clips']}): "
                      f"{100 * ident['kept']:.0f}% of clips (target >= 95%).")
+    fid = result.get("fidelity")
+    if fid:
+        from characters_jax.lipsync.fidelity_eval import markdown as fidelity_markdown
+
+        lines += ["", "Fidelity (colour per region against the ground truth's renders and the portrait, sharpness, "
+                  "KID in the feature network's space):", "", fidelity_markdown(fid).rstrip(), ""]
     d = result.get("drift")
     if d:
         f, l = d["first"], d["last"]
