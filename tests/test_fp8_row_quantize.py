@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from characters_jax.model.dit import modulated_norm
-from characters_jax.parallel.fp8_linear import linear
 from pallas_kernels import fp8_row_quantize as rq
 
 EPS = 1e-6
@@ -124,33 +123,54 @@ def test_lowers_for_cuda_as_one_triton_kernel(monkeypatch, prologue, rows_in, d,
 
 
 def test_block_with_the_kernels_as_its_inputs(monkeypatch):
-    """A characters Block with FP8 weights and per-row scales: its GEMMs' inputs from the
-    kernels (interpreter; the block input only, then all three; 21 -> 24 padded rows, sliced
-    off after the GEMMs and the reduction) give the same output as XLA's fusions."""
+    """A characters Block with FP8 weights and per-row scales, as a one-device prefill runs it:
+    with the 'quant' kernels making its GEMMs' inputs (``KernelOps``; the kernels under the
+    interpreter, 21 -> 24 padded rows, sliced off after the GEMMs and the reduction) it gives
+    the output of XLA's fusions (``ReferenceOps``), within FP8's rounding."""
     from flax import nnx
+    from jax.sharding import PartitionSpec as P
 
+    from characters_jax.cache import kv_cache as kvc
     from characters_jax.config import ModelConfig
-    from characters_jax.engine.step import block_activations
+    from characters_jax.engine.block_ops import KernelOps, ReferenceOps, frame_context
     from characters_jax.model.dit import Block
+    from characters_jax.model.rope import rope_frequencies
+    from characters_jax.parallel.sharding import make_mesh
 
     cfg = ModelConfig(d_model=64, num_heads=2, head_dim=16, mlp_dim=128, weight_dtype="fp8",
                       dtype="bfloat16", activation_scale="row")
     block = Block(cfg, rngs=nnx.Rngs(303))
     t = 21
+    layout = kvc.CacheLayout(mode="ring", dtype="fp8", num_blocks=1, num_heads=2, head_dim=16,
+                             sink_slots=t, tokens_per_step=t, ring_frames=1)
+    freqs = rope_frequencies(16, cfg.rope_split, cfg.rope_theta)
+    positions = jnp.stack([jnp.zeros(t, jnp.int32), jnp.arange(t) // 5, jnp.arange(t) % 5], 1)
+    valid = jnp.arange(layout.slots) < t
+    frame = frame_context(positions, jnp.int32(0), valid, jnp.zeros((layout.slots, 3), jnp.int32),
+                          freqs, token_valid=jnp.ones((t,), bool))
     x = jax.random.normal(jax.random.key(304), (t, 64)).astype(jnp.bfloat16)
     shared = jax.random.normal(jax.random.key(3), (3, 64)) * 0.1
-    attend = lambda q, k, v: (q + k + v, None)  # noqa: E731
-    reduce = lambda pairs: sum(  # noqa: E731
-        linear(a, w, out_dtype=jnp.float32, act_scale="row") for a, w in pairs)
+    common = dict(layout=layout, freqs=freqs, attention_impl="reference", reduce_method="psum",
+                  out_dtype="bfloat16", act_scale="row", prefill=True)
 
-    real = rq._pallas
-    monkeypatch.setattr(rq, "_pallas", lambda *a, **k: real(*a, **{**k, "interpret": True}))
-    base, _ = block(x, shared, attend, reduce)
-    fused, _ = block(x, shared, attend, reduce, activations=block_activations(True))
+    def run(ops):
+        body = lambda x, shared, cache, frame: block(x, shared, ops, cache, frame, jnp.int32(0))  # noqa: E731
+        return jax.shard_map(body, mesh=make_mesh(1), in_specs=P(), out_specs=P(),
+                             check_vma=False)(x, shared, kvc.empty_cache(layout), frame)
+
+    real, prologues = rq._pallas, []
+    monkeypatch.setattr(rq, "_pallas", lambda *a, **k: prologues.append(k["prologue"]) or real(
+        *a, **{**k, "interpret": True}))
+    base, base_cache = run(ReferenceOps(**common))
+    assert not prologues
+    fused, fused_cache = run(KernelOps(**common, quant=True))
+    assert prologues == ["norm", "gelu", "none"]
     assert fused.shape == base.shape == (t, 64)
     np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(base, np.float32),
                                rtol=2e-2, atol=2e-2)
     assert np.asarray(fused - x, np.float32).any()
+    for a, b in ((fused_cache.k_scale, base_cache.k_scale), (fused_cache.v_scale, base_cache.v_scale)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-2)
 
 
 def test_engine_kernel_resolution():

@@ -10,6 +10,11 @@ current frame's slots valid, draw noise, then `num_passes` flow-matching Euler p
 pass runs the blocks under `lax.scan` and each block writes its new K/V into the current
 frame's slots before attending over sink + ring. The last pass's K/V stay as that frame's
 context. Nothing syncs the host.
+
+The blocks run ``model.dit.Block`` with the engine's ``BlockOps`` (``engine.block_ops``:
+the reference or the kernels variant, as the [engine] table resolved), one for the prefill
+and one for the step, and a ``FrameContext`` made once per program (the new tokens' RoPE
+angles, their cache offset, the slot mask).
 """
 
 from __future__ import annotations
@@ -23,39 +28,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from characters_jax.cache import kv_cache as kvc
-from characters_jax.config import Config
+from characters_jax.config import CacheConfig, Config
+from characters_jax.engine.block_ops import block_ops, frame_context
 from characters_jax.engine.options import resolve_engine
 from characters_jax.engine.state import StepState, empty_state, frame_positions, sink_positions, state_partition_spec
-from characters_jax.model.dit import DEFAULT_ACTIVATIONS, BlockActivations, DiT, scan_blocks
+from characters_jax.model.dit import DiT, run_blocks
 from characters_jax.model.params import abstract_model, init_state, param_partition_specs
-from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
-from characters_jax.parallel.fp8_linear import Fp8Activation
-from characters_jax.parallel.row_parallel import STACKED_ROW_ALIGN, row_parallel_matmul_reduce
+from characters_jax.model.rope import rope_frequencies
 from characters_jax.parallel.sharding import TP, ShardingRules, named_shardings
-from pallas_kernels import fp8_qkv_prepare, fp8_row_quantize
-from pallas_kernels.fp8_attention import attention, slot_mask
-
-
-def block_activations(quant_kernels: bool) -> BlockActivations:
-    """The blocks' GEMM inputs: the model's defaults (XLA's fusions), or with the 'quant'
-    kernels FP8 from them, rows padded to the stacked GEMM's multiple of 8 by the kernels
-    themselves (padding rows zero, scale 0)."""
-    if not quant_kernels:
-        return DEFAULT_ACTIVATIONS
-
-    def quantized(x, rows, **kw):
-        values, row_scale = fp8_row_quantize.row_quantize(
-            x, rows=rows, rows_out=-(-rows // STACKED_ROW_ALIGN) * STACKED_ROW_ALIGN,
-            impl="pallas", **kw)
-        return Fp8Activation(values, row_scale)
-
-    def block_input(x, shift, scale, eps):
-        return quantized(x, x.shape[0], shift=shift, scale=scale, eps=eps, prologue="norm")
-
-    return BlockActivations(
-        block_input=block_input,
-        mlp_hidden=lambda y, t: quantized(y, t, prologue="gelu"),
-        attention_out=lambda o, t: quantized(o.reshape(o.shape[0], -1), t, prologue="none"))
 
 
 class Engine:
@@ -73,6 +53,9 @@ class Engine:
         self.layout = kvc.CacheLayout.from_config(cfg)
         m = cfg.model
         self.freqs = rope_frequencies(m.head_dim, m.rope_split, m.rope_theta)
+        # What the blocks run (engine.block_ops): the prefill's set the FP8 cache scales.
+        self.prefill_ops = block_ops(cfg, self.options, self.layout, self.freqs, prefill=True)
+        self.step_ops = block_ops(cfg, self.options, self.layout, self.freqs, prefill=False)
         self.graphdef, self.abstract_params = abstract_model(m)
         self.param_specs = param_partition_specs(self.abstract_params, rules)
         self.param_shardings = named_shardings(mesh, self.param_specs)
@@ -111,71 +94,14 @@ class Engine:
 
         return program
 
-    # ---- the per-block body shared by prefill and step ----------------------------------
-    def _block_fn(self, positions, offset, valid, slot_positions, token_valid=None):
-        """Per-block body: write this block's new K/V at `offset`, attend over the cache.
-
-        positions: [T, 3] of the new tokens; valid: [S] bool; slot_positions: [S, 3];
-        token_valid: [T] bool, given at prefill (then the FP8 scales are fixed here).
-        """
-        layout, freqs, opts = self.layout, self.freqs, self.options
-        rope = rope_angles(positions, freqs)  # once, outside the block scan
-        mask = slot_mask(valid)  # the attention's mask operands, once too
-
-        def reduce(pairs):
-            with jax.named_scope("out_down_reduce"):
-                return row_parallel_matmul_reduce(pairs, axis_name=TP, method=opts.reduce,
-                                                  out_dtype=jnp.dtype(self.cfg.model.dtype),
-                                                  act_scale=self.cfg.model.activation_scale)
-
-        activations = block_activations(opts.quant)
-
-        def block_fn(block, layer, x, shared_mod, cache):
-            # Ring: attention gets the whole K/V stacks and the layer; the Pallas kernel reads
-            # the layer in place, the other impls slice it (an XLA copy).
-            in_place = layout.mode == "ring"
-
-            def attend_cached(q, c):
-                """q (rotated, float or QuantizedQ) over the updated cache c: (o, c)."""
-                with jax.named_scope("cache_upkeep"):
-                    kk, vv, ks, vs = kvc.attention_operands(layout, c, layer, slot_positions, valid, freqs, whole_stack=in_place)
-                with jax.named_scope("attention"):
-                    # With the attention output's own quantization kernel, the Pallas
-                    # attention's padded rows go in as they are (that kernel reads only the
-                    # real ones; a slice before it would be a copy).
-                    o = attention(q, kk, vv, ks, vs, mask, impl=opts.attention, layer=layer if in_place else None, padded_out=opts.quant)
-                return o, c
-
-            def attend(q, k, v):
-                c = cache
-                with jax.named_scope("cache_upkeep"):
-                    if token_valid is not None:
-                        c = kvc.set_scales(layout, c, layer, block.k_norm[...], v, token_valid)
-                    c = kvc.write(layout, c, layer, offset, k, v, rope)
-                return attend_cached(rotate(q, rope), c)
-
-            def attend_qkv(qkv, t, q_gain, k_gain, eps):
-                # One kernel from qkv to Q's e4m3 parts and the cache's new K/V rows.
-                c = cache
-                with jax.named_scope("cache_upkeep"):
-                    q8, ck, cv = fp8_qkv_prepare.prepare_qkv(
-                        qkv, q_gain, k_gain, *rope, c.k_scale, c.v_scale,
-                        layout.from_storage(c.k), layout.from_storage(c.v), layer, offset,
-                        t=t, heads=c.k.shape[2], eps=eps, any_valid=mask.any_valid,
-                        impl="pallas")
-                    c = dataclasses.replace(c, k=layout.to_storage(ck), v=layout.to_storage(cv))
-                return attend_cached(q8, c)
-
-            fused_qkv = opts.qkv and token_valid is None  # steps, not prefill
-            return block(x, shared_mod, attend, reduce, layer=layer, activations=activations,
-                         attend_qkv=attend_qkv if fused_qkv else None)
-
-        return block_fn
-
-    def _forward(self, model: DiT, tokens, sigma, cache, block_fn):
+    # ---- the model over one pass ------------------------------------------------------------
+    def _forward(self, model: DiT, ops, frame, tokens, sigma, cache):
+        """One pass of the blocks over tokens [T, d] at noise level sigma [] float32, each
+        block writing its new K/V into the cache (``ops``: this program's BlockOps;
+        ``frame``: the pass's FrameContext) -> (velocity [T_img, C] float32, cache')."""
         temb = model.time_embedding(sigma)
-        in_place = self.options.gemm
-        h, cache = scan_blocks(model.blocks, tokens, model.shared_modulation(temb), cache, block_fn, in_place=in_place)
+        h, cache = run_blocks(model.blocks, tokens, model.shared_modulation(temb), ops, cache, frame,
+                              in_place=ops.weights_in_place)
         return model.head(h[: self.cfg.video.tokens_per_frame], temb), cache
 
     # ---- programs (per shard) --------------------------------------------------------------
@@ -190,8 +116,8 @@ class Engine:
         token_valid = jnp.concatenate([jnp.ones((t_img,), bool), jnp.arange(b) < prompt_len])
         valid = jnp.zeros((layout.slots,), bool).at[: t_img + b].set(token_valid)
         slot_positions = jnp.zeros((layout.slots, 3), jnp.int32).at[: t_img + b].set(pos)
-        block_fn = self._block_fn(pos, jnp.int32(0), valid, slot_positions, token_valid)
-        _, cache = self._forward(model, tokens, jnp.float32(0.0), state.cache, block_fn)
+        frame = frame_context(pos, jnp.int32(0), valid, slot_positions, self.freqs, token_valid)
+        _, cache = self._forward(model, self.prefill_ops, frame, tokens, jnp.float32(0.0), state.cache)
         key = jax.random.key_data(jax.random.key(seed))
         return StepState(cache=cache, valid=valid, slot_positions=slot_positions, step=jnp.int32(0), frame_time=jnp.int32(1), rng=key)
 
@@ -241,12 +167,12 @@ class Engine:
         x = jax.random.normal(key, (cfg.video.tokens_per_frame, cfg.model.latent_channels), jnp.float32)
         if self.noise_transform is not None:
             x = self.noise_transform(x, state.step)
-        block_fn = self._block_fn(pos, offset, valid, slot_positions)
+        frame = frame_context(pos, offset, valid, slot_positions, self.freqs)
         cache = state.cache
         sigmas = cfg.sampler.sigmas
         for i in range(cfg.sampler.num_passes):
             tokens = model.embed_frame(x, audio)
-            velocity, cache = self._forward(model, tokens, jnp.float32(sigmas[i]), cache, block_fn)
+            velocity, cache = self._forward(model, self.step_ops, frame, tokens, jnp.float32(sigmas[i]), cache)
             x = x + (sigmas[i + 1] - sigmas[i]) * velocity
         with jax.named_scope("cache_upkeep"):
             new_state = self.end_frame(state, cache, valid, slot_positions)
@@ -281,10 +207,7 @@ class Engine:
 
     # ---- host-side methods (no device sync) ----------------------------------------------------
     def prompt_bucket(self, n: int) -> int:
-        for b in self.cfg.cache.prompt_buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={self.cfg.cache.max_prompt_tokens}")
+        return prompt_bucket(self.cfg.cache, n)
 
     def pad_prompt(self, tokens) -> tuple[np.ndarray, int]:
         tokens = np.asarray(tokens, np.int32).reshape(-1)
@@ -292,3 +215,12 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.model.prompt_vocab})")
         b = self.prompt_bucket(tokens.size)
         return np.pad(tokens, (0, b - tokens.size)), int(tokens.size)
+
+
+def prompt_bucket(cache: CacheConfig, n: int) -> int:
+    """The padded length of an n-token prompt: the smallest of ``cache.prompt_buckets``
+    that holds it (ValueError past ``cache.max_prompt_tokens``)."""
+    for b in cache.prompt_buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={cache.max_prompt_tokens}")

@@ -2,13 +2,21 @@
 
 One step feeds T = grid_h * grid_w latent tokens plus the audio tokens of that step. Each
 block reads one modulated RMSNorm of its input; attention and the MLP run side by side and
-their row-parallel outputs are summed before ONE all-reduce (`reduce`). Conditioning rides in
-the sequence: audio tokens with the frame, the reference image and prompt in the cached sink.
+their row-parallel outputs are summed before ONE all-reduce. Conditioning rides in the
+sequence: audio tokens with the frame, the reference image and prompt in the cached sink.
+
+``Block.__call__`` is the whole block, top to bottom. What it does not compute itself it
+asks of a ``BlockOps`` object, with explicit arguments: the GEMM inputs (the modulated norm,
+GELU, the flattened attention output), the attention (QK-norm, RoPE, the new K/V written
+into the cache, attention over it) and the row-parallel reduction. The engine's two variants
+(plain XLA, or its Pallas/Triton kernels) are in ``characters_jax.engine.block_ops``;
+``FunctionOps`` here takes the attention and the reduction as functions (the training
+forward, tests).
 
 The model is written per tensor-parallel shard: the same code runs on the full weights
 (tp=1) or, inside `shard_map`, on one device's heads and MLP columns; head counts are read
 off the weight shapes. Block weights are stacked over a leading `layers` axis and run under
-`jax.lax.scan` by the engine (`scan_blocks`).
+`jax.lax.scan` (`run_blocks`, `scan_blocks`).
 
 Weight storage: every projection is (N, K), output features first ("K-major"); in `fp8` mode
 block projections hold float8_e4m3fn values and a float32 per-tensor scale.
@@ -27,53 +35,76 @@ from flax import nnx
 from characters_jax.config import ModelConfig
 from characters_jax.parallel.fp8_linear import Fp8Weight, linear
 from pallas_kernels.numerics import FP8, mlp_hidden, modulated_norm, rms_norm
-TIME_FREQ_DIM = 256
 
-# attend(q, k, v) -> (o, aux): q, k, v [T, H_local, D]; o [To >= T, H_local, D] (rows past T,
-# if any, are a kernel's padding, not read). The engine's closure
-# writes k/v into the cache and attends over it; aux carries the updated cache.
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, object]]
-# attend_qkv(qkv, t, q_gain, k_gain, eps) -> (o, aux): the same from the qkv projection's output
-# qkv [Ty >= T, H_local * 3 * D] (rows past t padding), with the QK-norm gains [D] float32 and
-# eps: the engine's fused path (pallas_kernels.fp8_qkv_prepare) does the norms itself.
-AttendQkvFn = Callable[[jax.Array, int, jax.Array, jax.Array, float], tuple[jax.Array, object]]
-# reduce([(x_shard, w_shard), ...]) -> all-reduced sum of x_i @ w_i.T over the 'tp' axis.
-ReduceFn = Callable[[list], jax.Array]
+TIME_FREQ_DIM = 256
 
 
 def _dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _hidden_of_up(y: jax.Array, t: int) -> jax.Array:
-    return mlp_hidden(y[:t])
+def qk_norm(qkv: jax.Array, t: int, q_gain: jax.Array, k_gain: jax.Array, eps: float):
+    """The new tokens' Q, K, V from the qkv projection: qkv [Ty >= T, H * 3 * D] (per head
+    q, k, v of D each; rows past t are padding), gains [D] float32 -> (q, k, v), each
+    [T, H, D] in qkv's dtype; q and k RMS-normed and scaled by their gains."""
+    qkv = qkv[:t].reshape(t, -1, 3, q_gain.shape[-1])
+    q = rms_norm(qkv[:, :, 0], eps) * q_gain.astype(qkv.dtype)
+    k = rms_norm(qkv[:, :, 1], eps) * k_gain.astype(qkv.dtype)
+    return q, k, qkv[:, :, 2]
 
 
-def _attention_out(o: jax.Array, t: int) -> jax.Array:
-    return o[:t].reshape(t, -1)
+class BlockOps:
+    """What a ``Block`` asks for, for T new tokens on one shard of H_l heads (T' >= T rows:
+    an op may hand the next one zero padding rows, which the next one ignores):
+
+      block_input(x [T, d], shift [d], scale [d], eps) -> qkv's and up's input: the
+        modulated RMSNorm [T, d] in x.dtype, or its FP8 rows (``Fp8Activation`` [T', d]);
+      attend(qkv [T', H_l * 3 * D], t, q_gain [D], k_gain [D], eps, cache, layer, frame)
+        -> (o [T', H_l, D], cache'): QK-norm and RoPE of the new tokens, their K/V written
+        into ``cache`` and their attention over it (``frame``: the pass's context);
+      mlp_hidden(y [T', F_l], t) -> down's input: GELU of y's first t rows [T, F_l], or FP8;
+      attention_out(o [T', H_l, D] x.dtype, t) -> out's input: o's first t rows as
+        [T, H_l * D], or FP8;
+      reduce([(x_i, w_i), ...]) -> sum_i x_i @ w_i.T [T'', d] over the 'tp' axis (one
+        all-reduce).
+
+    This base class holds the model's own math for the three GEMM inputs (XLA's fusions);
+    ``attend`` and ``reduce`` are the subclass's."""
+
+    def block_input(self, x, shift, scale, eps):
+        return modulated_norm(x, shift, scale, eps)
+
+    def attend(self, qkv, t, q_gain, k_gain, eps, cache, layer, frame):
+        raise NotImplementedError
+
+    def mlp_hidden(self, y, t):
+        return mlp_hidden(y[:t])
+
+    def attention_out(self, o, t):
+        return o[:t].reshape(t, -1)
+
+    def reduce(self, pairs):
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockActivations:
-    """How a block makes the activations its GEMMs read. Each returns the float array of
-    the model's math (the defaults) or, for FP8 weights, that array already quantized as an
-    ``Fp8Activation`` whose values may carry zero padding rows past T (the engine's fused
-    kernels, ``pallas_kernels.fp8_row_quantize``).
+class FunctionOps(BlockOps):
+    """The model's math with the attention and the reduction given as functions (one
+    device: the training forward, tests).
 
-      block_input(x [T, d], shift [d], scale [d], eps) -> h, qkv's and up's input
-        (``modulated_norm``);
-      mlp_hidden(y [Ty >= T, F], t) -> down's input from up's output, whose rows past t are
-        padding (``mlp_hidden`` of y[:t]);
-      attention_out(o [To >= T, H_local, D], t) -> out's input [T, H_local * D] from the
-        attention output, whose rows past t are padding (o[:t], flattened).
-    """
+    attention(q, k, v) -> (o [T, H, D], cache'): q, k [T, H, D] after QK-norm (not
+    rotated), v [T, H, D]; ``Block`` returns its cache' (e.g. the rotated K/V). The block's
+    ``cache``, ``layer`` and ``frame`` arguments are not read.
+    reduction([(x_i, w_i), ...]) -> sum_i x_i @ w_i.T."""
 
-    block_input: Callable = modulated_norm
-    mlp_hidden: Callable = _hidden_of_up
-    attention_out: Callable = _attention_out
+    attention: Callable
+    reduction: Callable
 
+    def attend(self, qkv, t, q_gain, k_gain, eps, cache, layer, frame):
+        return self.attention(*qk_norm(qkv, t, q_gain, k_gain, eps))
 
-DEFAULT_ACTIVATIONS = BlockActivations()
+    def reduce(self, pairs):
+        return self.reduction(pairs)
 
 
 def timestep_features(sigma: jax.Array, dim: int = TIME_FREQ_DIM) -> jax.Array:
@@ -127,7 +158,6 @@ class Block(nnx.Module):
         d, h, hd, f = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
         wd = cfg.weight_dtype
         depth_scale = 1.0 / math.sqrt(2 * cfg.num_blocks)
-        self.head_dim = hd
         self.eps = cfg.norm_eps
         self.act_scale = cfg.activation_scale  # how qkv's and up's input is quantized (FP8)
         self.qkv = Linear(d, h * 3 * hd, ("heads", "embed"), dtype=wd, std=d**-0.5, rngs=rngs)
@@ -141,35 +171,31 @@ class Block(nnx.Module):
         offset = 0.1 * jax.random.normal(rngs.params(), (3, d), jnp.float32)
         self.modulation = nnx.Param(offset.at[2].add(1.0), logical_axes=(None, "embed"))
 
-    def __call__(self, x: jax.Array, shared_mod: jax.Array, attend: AttendFn, reduce: ReduceFn,
-                 layer: jax.Array | None = None,
-                 activations: BlockActivations = DEFAULT_ACTIVATIONS,
-                 attend_qkv: AttendQkvFn | None = None):
-        """x: [T, d] (replicated); shared_mod: [3, d] float32; layer: [] int32, used when the
-        projections hold the whole layer stack; activations: how the GEMMs' inputs are made
-        (``BlockActivations``); attend_qkv: given, it takes the qkv projection's output as
-        it is, QK-norm included (``AttendQkvFn``), in place of the norms here and
-        ``attend``. Returns (x', aux from attend)."""
+    def __call__(self, x: jax.Array, shared_mod: jax.Array, ops: BlockOps, cache=None, frame=None,
+                 layer: jax.Array | None = None):
+        """The block on T new tokens: x [T, d] (replicated over 'tp'); shared_mod [3, d]
+        float32, the pass's adaLN-single modulation (shift, scale, gate); ops: the
+        ``BlockOps`` that run its norms, attention and reduction; cache: what ``ops.attend``
+        writes the new K/V into and attends over (the engine: the whole ``KVCache``
+        [L, S, H_l, D], written at ``layer``); frame: the pass's context for ``ops.attend``
+        (the engine: ``engine.block_ops.FrameContext``); layer: [] int32, the block's index
+        in the layer stacks (the cache's, and the projections' when they hold the whole
+        stack). Returns (x' [T, d] x.dtype, cache')."""
         t = x.shape[0]
-        acts = activations
-        mod = shared_mod + self.modulation[...]
-        h = acts.block_input(x, mod[0], mod[1], self.eps)
+        mod = shared_mod + self.modulation[...]  # [3, d] float32: shift, scale, gate
+        h = ops.block_input(x, mod[0], mod[1], self.eps)  # the modulated RMSNorm: qkv's and up's input
         proj = dict(out_dtype=x.dtype, layer=layer, act_scale=self.act_scale)
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv(h, **proj)  # [Ty >= T, H_local * 3 * D]
-        if attend_qkv is not None:
-            o, aux = attend_qkv(qkv, t, self.q_norm[...], self.k_norm[...], self.eps)
-        else:
-            qkv = qkv[:t].reshape(t, -1, 3, self.head_dim)  # [T, H_local, 3, D]
-            q = rms_norm(qkv[:, :, 0], self.eps) * self.q_norm[...].astype(x.dtype)
-            k = rms_norm(qkv[:, :, 1], self.eps) * self.k_norm[...].astype(x.dtype)
-            o, aux = attend(q, k, qkv[:, :, 2])
+            qkv = self.qkv(h, **proj)  # [T' >= T, H_l * 3 * D]
+        # QK-norm and RoPE, the new K/V into the cache, attention over it: o [T' >= T, H_l, D]
+        o, cache = ops.attend(qkv, t, self.q_norm[...], self.k_norm[...], self.eps, cache, layer, frame)
         with jax.named_scope("mlp_up"):
-            hidden = acts.mlp_hidden(self.up(h, **proj), t)
-        o = acts.attention_out(o.astype(x.dtype), t)
-        # [:t]: activations with padding rows give a padded sum.
-        y = reduce([(o, self.out.weight(layer)), (hidden, self.down.weight(layer))])[:t]
-        return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), aux
+            hidden = ops.mlp_hidden(self.up(h, **proj), t)  # GELU: down's input
+        o = ops.attention_out(o.astype(x.dtype), t)  # [T, H_l * D]: out's input
+        # Attention-out and MLP-down summed under one all-reduce ([:t]: FP8 inputs with padding
+        # rows give a padded sum), then the gated residual.
+        y = ops.reduce([(o, self.out.weight(layer)), (hidden, self.down.weight(layer))])[:t]
+        return (x.astype(jnp.float32) + mod[2] * y.astype(jnp.float32)).astype(x.dtype), cache
 
 
 class DiT(nnx.Module):
@@ -235,10 +261,8 @@ def _is_projection_weight(path, _value) -> bool:
 
 
 def scan_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, carry, block_fn, in_place: bool = False):
-    """Runs the stacked blocks under lax.scan.
-
-    block_fn(block, layer, x, shared_mod, carry) -> (x, carry) is the engine's per-block body
-    (it builds the attend closure over `carry`, e.g. the KV cache, for that layer).
+    """Runs the stacked blocks under lax.scan: block_fn(block, layer, x, shared_mod, carry)
+    -> (x, carry) for layer = 0 .. L-1 (``layer`` [] int32); returns (x, carry).
 
     in_place: the four projection weights are not scanned over (the scan would slice, and
     XLA copy, each block's weights out of the stack); they enter every iteration whole
@@ -260,3 +284,14 @@ def scan_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, carry, block
 
     (x, carry), _ = jax.lax.scan(body, (x, carry), (jnp.arange(num_blocks, dtype=jnp.int32), state))
     return x, carry
+
+
+def run_blocks(blocks: Block, x: jax.Array, shared_mod: jax.Array, ops: BlockOps, cache, frame,
+               in_place: bool = False):
+    """Every block in order, ``Block.__call__(x, shared_mod, ops, cache, frame, layer)``, under
+    lax.scan (``scan_blocks``, with its ``in_place``): x [T, d] -> (x' [T, d], cache')."""
+
+    def block_fn(block, layer, x, shared_mod, cache):
+        return block(x, shared_mod, ops, cache, frame, layer)
+
+    return scan_blocks(blocks, x, shared_mod, cache, block_fn, in_place)

@@ -10,7 +10,8 @@ once, the velocity the engine's model would output at step s for a current frame
 `cur_latent[s]` at noise level `cur_sigma[s]`, given that the earlier steps' last-pass
 inputs were `ctx_latent[:s]` (at sigma 0.25; in training the ground truth noised to 0.25):
 
-  per block (the model's `Block` as it is, three calls, each with its own `attend`):
+  per block (the model's `Block` as it is, three calls, each with its own attention
+  function, `FunctionOps`):
     sink     [S, d] at sigma 0: attends the sink (prompt padding masked);
     context  [L * T, d] at sigma 0.25: frame j attends the sink and context frames
              max(0, j - R + 1) .. j (R = ring_frames): the K/V the ring holds for frame j;
@@ -40,7 +41,7 @@ from jax import lax
 
 from characters_jax.config import Config
 from characters_jax.engine.state import frame_positions, sink_positions
-from characters_jax.model.dit import DiT, scan_blocks
+from characters_jax.model.dit import DiT, FunctionOps, scan_blocks
 
 from characters_jax.model.rope import rope_angles, rope_frequencies, rotate
 
@@ -139,7 +140,7 @@ def clip_velocity(model: DiT, cfg: Config, sink_latent, prompt, prompt_len, ctx_
             o = _attention(qr, qr, kr, v_, sink_valid, empty, empty, jnp.zeros((0,), bool))
             return o, (kr, v_)
 
-        x_sink, (k_sink, v_sink) = block(x_sink, mod_sink, attend_sink, _reduce)
+        x_sink, (k_sink, v_sink) = block(x_sink, mod_sink, FunctionOps(attend_sink, _reduce))
         heads, hd = k_sink.shape[1], k_sink.shape[2]
 
         def windows(x):
@@ -158,7 +159,7 @@ def clip_velocity(model: DiT, cfg: Config, sink_latent, prompt, prompt_len, ctx_
                 qw, qu, kwin, vwin, valid)
             return o.reshape(steps * t, heads, hd), (ku, v_)
 
-        x_flat, (k_ctx, v_ctx) = block(x_ctx.reshape(steps * t, -1), mod_ctx, attend_ctx, _reduce)
+        x_flat, (k_ctx, v_ctx) = block(x_ctx.reshape(steps * t, -1), mod_ctx, FunctionOps(attend_ctx, _reduce))
         x_ctx = x_flat.reshape(steps, t, -1)
         k_prev, v_prev = windows(k_ctx), windows(v_ctx)  # frame j's window; the current frame drops slot r - 1
         prev = (r - 1) * t
@@ -171,7 +172,7 @@ def clip_velocity(model: DiT, cfg: Config, sink_latent, prompt, prompt_len, ctx_
                 ok = jnp.concatenate([jnp.repeat(window_valid[j, : r - 1], t), jnp.ones((t,), bool)])
                 return _attention(qw, qu, k_sink, v_sink, sink_valid, kk, vv, ok), None
 
-            return block(x_f, mod_f, attend_cur, _reduce)[0]
+            return block(x_f, mod_f, FunctionOps(attend_cur, _reduce))[0]
 
         x_cur = jax.vmap(current)(x_cur, mod_cur, jnp.arange(steps))
         return x_sink, (x_ctx, x_cur)
