@@ -1,8 +1,8 @@
 """A worker process for the serving stress tests (run as a script by them).
 
---servicer worker: the real WorkerServer over the fake generator and decoder (fakes.py),
-with the RpcLimits given on the command line. --servicer stock: the negative control,
-grpc_health's stock HealthServicer alone on a bare grpc server.
+--servicer worker: a FakeWorker (demo/fakes.py: the real WorkerServer over the fake
+generator and decoder), with the RpcLimits given on the command line. --servicer stock:
+the negative control, grpc_health's stock HealthServicer alone on a bare grpc server.
 
 --flip-ms N flips the health status every N ms: for the worker through its session table
 (a session reserved, then cancelled: what sessions starting and ending do, down to
@@ -28,48 +28,34 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 def worker_server(args):
-    """(server, flip(), shutdown()) of a WorkerServer over the fake generator and decoder."""
-    from characters_jax.audio.features import AudioFrontEnd
-    from characters_jax.audio.timeline import Timeline
-    from characters_jax.config import load_config
-    from characters_jax.decoder.service import start_decoder_server
+    """(port, flip(), shutdown()) of a FakeWorker with the RpcLimits of the command line."""
+    from characters_jax.demo.fakes import FakeWorker
     from characters_jax.serving.admission import RpcLimits
     from characters_jax.serving.conversation import Limits
-    from characters_jax.serving.decoder_link import DecoderClient
-    from characters_jax.demo.fakes import FakeGenerator, FakeVaeRuntime
-    from characters_jax.serving.metrics import WorkerMetrics
     from characters_jax.serving.session import SlotBusy
     from characters_jax.serving.shutdown import SLACK_S, exit_after
-    from characters_jax.serving.worker import WorkerContext, WorkerOptions
-    from characters_jax.serving.worker_server import WorkerServer
+    from characters_jax.serving.worker import WorkerOptions
 
-    cfg = load_config("tiny")
-    decoder_server, dport = start_decoder_server(FakeVaeRuntime(cfg), "127.0.0.1:0")
-    decoder = DecoderClient(f"127.0.0.1:{dport}", cfg)
-    ctx = WorkerContext(cfg, FakeGenerator(cfg), threading.Lock(), AudioFrontEnd(cfg), Timeline.from_config(cfg), decoder, WorkerMetrics())
     limits = RpcLimits(first_request_timeout_s=args.first_request_timeout, reflection_idle_timeout_s=args.reflection_idle_timeout)
     options = WorkerOptions(drain_timeout_s=args.drain_timeout)
-    server = WorkerServer(ctx, options, "127.0.0.1", 0, limits)
-    server.start()
+    worker = FakeWorker("tiny", options, limits=limits)
+    table = worker.server.table
     held = []
 
     def flip():
         if held:
-            server.table.transition(held.pop(), "CANCELLED", grpc.StatusCode.CANCELLED, "flip", "CLOSED")
+            table.transition(held.pop(), "CANCELLED", grpc.StatusCode.CANCELLED, "flip", "CLOSED")
         else:
             try:
-                held.append(server.table.reserve(1, 0, Limits(60.0, 60.0)))
+                held.append(table.reserve(1, 0, Limits(60.0, 60.0)))
             except SlotBusy:  # a client's session holds the slot
                 pass
 
     def shutdown():
         exit_after(options.drain_timeout_s + SLACK_S)
-        server.drain()
-        server.stop(grace=3.0)
-        decoder.close()
-        decoder_server.stop(grace=0.5).wait()
+        worker.close(drain_timeout_s=None, grace_s=3.0)
 
-    return server.port, flip, shutdown
+    return worker.server.port, flip, shutdown
 
 
 def stock_server(_args):

@@ -7,8 +7,8 @@ audio it carries. Its latent of step n holds n (channel 0) and the mean of the s
 tokens (channel 1). `FakeVaeRuntime` is what `DecoderServicer` runs: its frames show the
 step (red = step mod 256) and the audio (green grows with the tokens' mean).
 
-With both, `WorkerServer` serves the real orchestration (pacing, events, interrupts,
-limits, drain) in-process in milliseconds.
+With both, `FakeWorker` serves the real orchestration (build_worker: pacing, events,
+interrupts, limits, drain) in-process in milliseconds.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class FakeGenerator:
         self.config = config
         self.tokens_seen: collections.deque[np.ndarray] = collections.deque(maxlen=keep_steps)
         self.sessions = 0
+        self.warmups = 0
         self._step_index = 0
 
     @property
@@ -55,6 +56,10 @@ class FakeGenerator:
         latent[..., 1] = tokens.mean()
         self._step_index += 1
         return latent
+
+    def warmup(self) -> None:
+        """Compiles nothing; counts the warm-ups (`warmups`)."""
+        self.warmups += 1
 
     def compiled_programs(self) -> int:
         return 0
@@ -87,28 +92,24 @@ class FakeVaeRuntime:
 
 
 class FakeWorker:
-    """A whole worker in this process: the real orchestration (WorkerServer) over a
-    FakeGenerator, its decoder a DecoderServicer running FakeVaeRuntime on a loopback port.
+    """A whole worker in this process: the real orchestration (build_worker, WorkerServer)
+    over a FakeGenerator, its decoder a DecoderServicer running FakeVaeRuntime on a loopback
+    port.
 
         with FakeWorker("tiny") as w:
             client = CharacterClient(w.address)
     """
 
     def __init__(self, config="tiny", options=None, host: str = "127.0.0.1", port: int = 0, credentials=None, interceptors=(),
-                 generator: FakeGenerator | None = None):
-        """credentials, interceptors: the server's TLS credentials and interceptors
-        (serving/tls.py: worker_transport), as WorkerServer takes them. generator: the
-        FakeGenerator to serve (default: a new one)."""
-        import threading
-
-        from characters_jax.audio.features import AudioFrontEnd
-        from characters_jax.audio.timeline import Timeline
+                 generator: FakeGenerator | None = None, limits=None):
+        """options: the WorkerOptions (default WorkerOptions()); credentials, interceptors:
+        the server's TLS credentials and interceptors (serving/tls.py: worker_transport);
+        generator: the FakeGenerator to serve (default: a new one); limits: the RpcLimits
+        (default RpcLimits())."""
         from characters_jax.config import load_config
         from characters_jax.decoder.service import start_decoder_server
+        from characters_jax.serving.composition import build_worker
         from characters_jax.serving.decoder_link import DecoderClient
-        from characters_jax.serving.metrics import WorkerMetrics
-        from characters_jax.serving.worker import WorkerContext, WorkerOptions
-        from characters_jax.serving.worker_server import WorkerServer
 
         cfg = load_config(config) if isinstance(config, str) else config
         self.config = cfg
@@ -116,14 +117,16 @@ class FakeWorker:
         self.decoder_server, dport = start_decoder_server(self.vae, "127.0.0.1:0")
         self.generator = generator or FakeGenerator(cfg)
         self.decoder = DecoderClient(f"127.0.0.1:{dport}", cfg)
-        ctx = WorkerContext(cfg, self.generator, threading.Lock(), AudioFrontEnd(cfg), Timeline.from_config(cfg), self.decoder, WorkerMetrics())
-        self.server = WorkerServer(ctx, options or WorkerOptions(), host, port, credentials=credentials, interceptors=interceptors)
+        self.server = build_worker(self.generator, self.decoder, options, host=host, port=port, limits=limits, credentials=credentials,
+                                   interceptors=interceptors)
         self.server.start()
         self.address = self.server.address
 
-    def close(self, drain_timeout_s: float = 0.0) -> None:
+    def close(self, drain_timeout_s: float | None = 0.0, grace_s: float = 1.0) -> None:
+        """Drains for up to drain_timeout_s (None: the options' drain_timeout_s), stops serving
+        (RPCs still running after grace_s are cancelled), then stops the decoder."""
         self.server.drain(drain_timeout_s)
-        self.server.stop(grace=1.0)
+        self.server.stop(grace=grace_s)
         self.decoder.close()
         self.decoder_server.stop(grace=0.5).wait()
 

@@ -124,6 +124,8 @@ def compile_programs(engine: Engine, buckets=None, random_weights: bool = True, 
 
 
 class DiTGenerator:
+    """The engine's `Generator` (engine/interface.py)."""
+
     def __init__(
         self,
         config: Config,
@@ -188,6 +190,15 @@ class DiTGenerator:
         self.state, latent = self._step()(self.params, self.state, audio_tokens)
         self._step_index += 1
         return latent
+
+    def warmup(self) -> None:
+        """Runs the prefill of every prompt bucket and the step once (compiling what is not
+        compiled yet), so that no session compiles; returns once they have run."""
+        cfg = self.config
+        latent = np.zeros((cfg.video.grid_h, cfg.video.grid_w, cfg.model.latent_channels), np.float32)
+        for n in cfg.cache.prompt_buckets:
+            self.start_session(latent, [32] * n, 0)
+        self.step(jnp.zeros((cfg.model.audio_tokens_per_step, cfg.model.audio_feature_dim), jnp.float32)).block_until_ready()
 
     def compiled_programs(self) -> int:
         """Number of compiled executables held by this worker's programs."""

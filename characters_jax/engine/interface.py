@@ -1,18 +1,22 @@
 """The small engine interface the service codes against (JetStream-style).
 
 One `Generator` per worker, one session at a time. All arrays stay on device; nothing here
-syncs the host except where a caller asks for the values (e.g. to forward a latent).
+syncs the host except where a caller asks for the values (e.g. to forward a latent), and
+`warmup`, which returns once its programs have run. The worker (characters_jax/serving)
+uses a generator through this protocol only: `DiTGenerator` (engine/generator.py) serves,
+`FakeGenerator` (demo/fakes.py) stands in for it in tests.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import jax
 
 from characters_jax.config import Config
 
 
+@runtime_checkable
 class Generator(Protocol):
     config: Config
 
@@ -35,3 +39,12 @@ class Generator(Protocol):
     @property
     def step_index(self) -> int:
         """Steps taken in this session (host-side counter, no device sync)."""
+
+    def warmup(self) -> None:
+        """Runs every program a session runs once (the prefill of each prompt bucket, the
+        step), so that no session compiles, and returns once they have run. A session
+        starts with `start_session` afterwards, as always."""
+
+    def compiled_programs(self) -> int:
+        """Compiled executables this generator holds (host-side, no device sync): bounded
+        by the config (the step and a prefill per prompt bucket), whatever the prompts."""

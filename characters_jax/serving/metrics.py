@@ -22,6 +22,7 @@ import grpc
 import prometheus_client as prom
 
 from characters_jax.device_memory import device_memory
+from characters_jax.engine.interface import Generator
 from characters_jax.serving.conversation import STARTED, STOPPED
 
 _STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.12, 0.1667, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -187,14 +188,15 @@ class WorkerMetrics:
         self.rpc_admission_limit.labels(admission.service).set(admission.limit)
         self.rpc_admitted.labels(admission.service).set_function(lambda: admission.admitted)
 
-    def refresh_device_stats(self, generator=None) -> None:
-        """Host-side bookkeeping only (no device sync)."""
+    def refresh_device_stats(self, generator: Generator | None = None) -> None:
+        """Live device arrays and memory, and the generator's compiled programs. Host-side
+        bookkeeping only (no device sync)."""
         import jax
 
         arrays = jax.live_arrays()
         self.live_device_arrays.set(len(arrays))
         self.live_device_bytes.set(sum(a.nbytes for a in arrays))
-        if generator is not None and hasattr(generator, "compiled_programs"):
+        if generator is not None:
             self.generator_programs.set(generator.compiled_programs())
         self.set_device_memory(device_memory())
 

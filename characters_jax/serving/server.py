@@ -2,7 +2,7 @@
 
 It loads the config and the generator, starts (and supervises) its decoder process
 unless given one, compiles everything once, then serves CharacterService + grpc.health.v1 +
-reflection on one port (worker_server.py) and Prometheus metrics on another. It writes a
+reflection on one port (build_worker, composition.py) and Prometheus metrics on another. It writes a
 small JSON state file (ports, pids) when ready. SIGTERM (or SIGINT) drains: NOT_SERVING at
 once, new sessions refused (UNAVAILABLE), the live session goes on up to --drain-timeout
 and is then ended CANCELLED; then the worker stops.
@@ -16,10 +16,14 @@ import os
 import pathlib
 import sys
 import tempfile
-import threading
 import time
+from typing import TYPE_CHECKING
 
 from characters_jax.processes import child_env, stop_on_signals, write_state_file
+
+if TYPE_CHECKING:
+    from characters_jax.serving.warmup import WarmupReport
+    from characters_jax.serving.worker import WorkerOptions
 
 log = logging.getLogger("characters_jax.serving.server")
 
@@ -59,33 +63,13 @@ def _compile_generator(cfg, tp: int, random_weights: bool, placement):
     return programs, memory_plan_line(placement, need, pool), compile_s
 
 
-def _warmup(generator, frontend, cfg, metrics, compile_s: float, timed_steps: int = 3) -> dict:
-    """Runs the prefill of every prompt bucket and the step once (compiled already, in
-    `compile_s` seconds), so sessions never compile, then times `timed_steps` more steps
-    (the worker's honest speed, logged at start-up).
-    Returns {compile_s (compile + first runs), step_ms (median), fps_capacity, real_time, memory}."""
-    import numpy as np
-
+def warmup_fields(warmup: "WarmupReport", compile_s: float) -> dict:
+    """The warm-up as the state file and the log give it: compile_s (the programs' compile
+    and first runs), step_ms (median of the timed steps), fps_capacity, real_time, memory."""
     from characters_jax.device_memory import device_memory
 
-    v, m = cfg.video, cfg.model
-    t0 = time.perf_counter()
-    tokens = frontend.tokens(np.zeros(frontend.spec.window_samples, np.float32))
-    latent = np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32)
-    for n in cfg.cache.prompt_buckets:  # the compiled programs, run once each
-        generator.start_session(latent, [32] * n, 0)
-    generator.step(tokens).block_until_ready()
-    compile_s += time.perf_counter() - t0
-    times = []
-    for _ in range(timed_steps):
-        t = time.perf_counter()
-        generator.step(tokens).block_until_ready()
-        times.append(time.perf_counter() - t)
-    metrics.refresh_device_stats(generator)
-    step_ms = float(np.median(times)) * 1e3
-    fps = v.frames_per_step / (step_ms / 1e3)
-    return {"compile_s": round(compile_s, 2), "step_ms": round(step_ms, 2), "fps_capacity": round(fps, 1),
-            "real_time": bool(step_ms <= v.step_seconds * 1e3), "memory": device_memory()}
+    return {"compile_s": round(compile_s + warmup.warmup_s, 2), "step_ms": round(warmup.step_ms, 2),
+            "fps_capacity": round(warmup.fps_capacity, 1), "real_time": warmup.real_time, "memory": device_memory()}
 
 
 def worker_options(args) -> "WorkerOptions":
@@ -107,15 +91,12 @@ def worker_options(args) -> "WorkerOptions":
 
 def run_worker(args) -> int:
     """`serve`: the generator worker."""
-    from characters_jax.audio.features import AudioFrontEnd
-    from characters_jax.audio.timeline import Timeline
     from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.serving.composition import build_worker
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.metrics import WorkerMetrics
     from characters_jax.serving.placement import GIB, apply_to_this_process, plan, visible_gpus
     from characters_jax.serving.supervisor import Supervisor
-    from characters_jax.serving.worker import WorkerContext
-    from characters_jax.serving.worker_server import WorkerServer
 
     stop = stop_on_signals()
     t_start = time.perf_counter()
@@ -188,13 +169,12 @@ def run_worker(args) -> int:
         raise
     log.info("memory plan", extra={"fields": {"memory_plan": state["memory_plan"], "compile_s": round(compile_s, 2)}})
     generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=args.seed, programs=programs)
-    frontend = AudioFrontEnd(cfg)
-    state["warmup"] = _warmup(generator, frontend, cfg, metrics, compile_s)
-    log.info("generator compiled", extra={"fields": state["warmup"]})
     decoder = DecoderClient(decoder_address, cfg)
     metrics.watch_decoder(decoder.channel)
-    ctx = WorkerContext(cfg, generator, threading.Lock(), frontend, Timeline.from_config(cfg), decoder, metrics)
-    worker = WorkerServer(ctx, options, args.host, args.port, credentials=credentials, interceptors=interceptors)
+    worker = build_worker(generator, decoder, options, host=args.host, port=args.port, credentials=credentials, interceptors=interceptors,
+                          metrics=metrics, timed_steps=3)
+    state["warmup"] = warmup_fields(worker.warmup, compile_s)
+    log.info("generator compiled", extra={"fields": state["warmup"]})
     port = worker.port
     if port == 0:
         log.error("could not bind", extra={"fields": {"host": args.host, "port": args.port}})

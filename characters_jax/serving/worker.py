@@ -19,6 +19,7 @@ from characters_jax.audio.features import AudioFrontEnd
 from characters_jax.audio.pcm import AudioFormatError, PcmFormat, check_format
 from characters_jax.audio.timeline import Timeline
 from characters_jax.config import Config
+from characters_jax.engine.interface import Generator
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.serving.conversation import Chunk, Limits
@@ -60,11 +61,11 @@ class WorkerOptions:
 
 @dataclasses.dataclass
 class WorkerContext:
-    """What sessions share: the config, the generator (used under its lock), the audio front
-    end, the decoder channel and the metrics."""
+    """What sessions share: the config, the generator (used under its lock, through the
+    `Generator` protocol only), the audio front end, the decoder channel and the metrics."""
 
     config: Config
-    generator: object
+    generator: Generator
     generator_lock: threading.Lock
     frontend: AudioFrontEnd
     timeline: Timeline

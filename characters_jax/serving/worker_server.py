@@ -1,7 +1,8 @@
 """A worker's gRPC server: CharacterService, grpc.health.v1 and reflection on one port.
 
-Built around a `WorkerContext`, so the same wiring serves the real generator (`serve`,
-server.py) and, in-process, a fake one (fakes.py) for tests and client development.
+Built around a `WorkerContext` by `build_worker` (composition.py), so the same wiring
+serves the real generator (`serve`, server.py) and, in-process, a fake one (demo/fakes.py)
+for tests and client development.
 Message size limits follow the config (channel_options.py).
 
 No number of streams can starve health or wedge the server:
@@ -40,6 +41,7 @@ from characters_jax.serving.rpc_handlers import behavior_of, generated_handlers,
 from characters_jax.serving.rpc_metrics import RpcMetricsInterceptor
 from characters_jax.serving.rpc_pool import RpcPool
 from characters_jax.serving.session import SessionTable
+from characters_jax.serving.warmup import WarmupReport
 from characters_jax.serving.worker import CharacterServicer, WorkerContext, WorkerOptions
 from characters_jax.wire.channel_options import worker_server_options
 
@@ -51,13 +53,16 @@ STOP_SLACK_S = 3.0  # how long `stop` waits for the server beyond its grace
 
 class WorkerServer:
     def __init__(self, ctx: WorkerContext, options: WorkerOptions, host: str = "127.0.0.1", port: int = 0, limits: RpcLimits | None = None,
-                 credentials: grpc.ServerCredentials | None = None, interceptors: Sequence[grpc.ServerInterceptor] = ()):
+                 credentials: grpc.ServerCredentials | None = None, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 warmup: WarmupReport | None = None):
         """Binds host:port (0: any free port; `self.port` is the bound one, 0 if binding
         failed), with TLS when `credentials` are given; `interceptors` run on every RPC
         (after the one counting RPC errors). limits: concurrent RPCs and deadlines (default
         RpcLimits()). Serving starts with `start()`. An empty options.worker_id becomes
-        "<host name>:<port>"."""
+        "<host name>:<port>". warmup: what the warm-up measured (composition.py's
+        build_worker warms up and builds the server)."""
         self.limits = limits or RpcLimits()
+        self.warmup = warmup
         lim, m = self.limits, ctx.metrics
         self.pools = {"rpc": RpcPool("rpc", lim.max_character_rpcs + lim.spare_threads), "health": RpcPool("health", lim.health_threads),
                       "reflection": RpcPool("reflection", lim.max_reflection_streams + lim.spare_threads)}
