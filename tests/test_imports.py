@@ -1,7 +1,8 @@
 """The import graph of ``characters_jax`` and ``pallas_kernels``, read from the sources with
 ``ast`` (every import, those inside functions too): no cycle between modules nor between
 packages; the kernels import jax, numpy and each other only, and no single-device kernel
-imports the collective one."""
+imports the collective one; the worker (serving/) and its clients (client/, viewer/) never
+reach each other through any chain of imports, only the neutral wire/."""
 
 import ast
 import collections
@@ -15,6 +16,14 @@ KERNEL_IMPORTS = {"jax", "jaxlib", "numpy", "__future__", "dataclasses", "functo
                   "operator", "types", "typing"}
 # The collective kernel: the single-device kernels must not import it.
 COLLECTIVE_KERNELS = {"pallas_kernels.fp8_gemm_allreduce"}
+# The programs that share the service, and what none of their modules may reach through any
+# chain of imports: the worker and its clients meet in characters_jax.wire only.
+APART = {
+    "characters_jax.serving": ("characters_jax.client", "characters_jax.viewer", "characters_jax.demo"),
+    "characters_jax.client": ("characters_jax.serving", "characters_jax.viewer", "characters_jax.demo"),
+    "characters_jax.viewer": ("characters_jax.serving",),
+    "characters_jax.wire": ("characters_jax.serving", "characters_jax.client", "characters_jax.viewer", "characters_jax.demo"),
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -129,3 +138,32 @@ def test_kernels_import_jax_numpy_and_each_other_only():
         assert not {e for e in edges[m] if e.startswith("characters_jax")}, m
         if m not in COLLECTIVE_KERNELS:
             assert not edges[m] & COLLECTIVE_KERNELS, (m, "imports the collective kernel")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _crossings(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, forbidden module it reaches) for every module of APART's packages."""
+    out = []
+    for package, forbidden in APART.items():
+        for start in sorted(m for m in edges if _within(m, package)):
+            seen, todo = set(), [start]
+            while todo:
+                for nxt in edges.get(todo.pop(), ()):
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            out += [(start, m) for m in sorted(seen) if any(_within(m, f) for f in forbidden)]
+    return out
+
+
+def test_the_worker_and_its_clients_never_reach_each_other():
+    edges, _ = _graph()
+    for package in APART:
+        assert any(_within(m, package) for m in edges), package
+    assert _crossings(edges) == []
+    # The check sees a chain: client -> wire -> serving would be a crossing.
+    chained = {**edges, "characters_jax.wire.service": edges["characters_jax.wire.service"] | {"characters_jax.serving.worker"}}
+    assert ("characters_jax.client.character_client", "characters_jax.serving.worker") in _crossings(chained)
