@@ -78,7 +78,7 @@ def demo_command(args) -> int:
     if tracks is not None and probe["video_frames"] == expected:
         report["lip_sync"] = lip_sync(mp4, tracks)
     report_path.write_text(json.dumps(report, indent=2))
-    print(f"demo: wrote {mp4} ({probe['video_frames']} frames {probe['width']}x{probe['height']}, {probe['audio_seconds']:.2f} s audio) and {report_path}")
+    print(f"demo: wrote {mp4} ({probe['video_frames']} frames of {probe['width']}x{probe['height']}, width x height; {probe['audio_seconds']:.2f} s audio) and {report_path}")
     print_summary(summary)
     if "lip_sync" in report:
         ls = report["lip_sync"]
