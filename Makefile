@@ -31,8 +31,10 @@ protos: $(STAMP)
 browser:
 	@bash tools/install_browser.sh >/dev/null
 
+# --capture=sys: what the runtime's C++ writes to the process's stderr (XLA's messages before
+# it ends a process) reaches the log instead of a capture file that dies with the process.
 test: protos browser
-	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --capture=sys --durations=15 tests
 
 # The whole service on localhost (decoder process, generator worker, client): writes
 # out/demo.mp4 and out/demo_report.json: the trained talking demonstrator on its held-out
