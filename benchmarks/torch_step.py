@@ -32,9 +32,11 @@ that runs it next to the JAX step (``DiTGenerator`` with its defaults) in one pr
 * Positions, ring offsets and the position reset as the JAX engine assigns them: frame
   time starts at 1, slot ``sink + (step % ring_frames) * T``, and when the frame time
   reaches ``ring_frames + reset_period`` every ring key is rotated back by
-  ``reset_period`` positions once (outside the graph).
+  ``reset_period`` positions once (outside the graph). Shapes, slots, positions and prompt
+  buckets come from the config and the JAX engine's own code (``StepSpec``).
 
-Correctness (``tests/test_torch_step.py``): on tiny/small configs the eager path (CPU, no
+Correctness (``tests/test_torch_step.py``; on a GPU machine ``benchmarks/gpu_tests.sh``
+runs it with the kernels' GPU tests): on tiny/small configs the eager path (CPU, no
 compile, no graphs, no FP8 GEMM) and the GPU path take the JAX generator's weights
 (``weights_from_jax``) and the JAX step's noise (``jax_noise``) and give the JAX latents
 within float32 rounding over several steps, a reset included; the FP8 path is checked
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -85,6 +88,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from characters_jax.cache.kv_cache import CacheLayout  # noqa: E402
+from characters_jax.config import Config, ModelConfig  # noqa: E402
+from characters_jax.engine import state as engine_state  # noqa: E402
+from characters_jax.engine.step import prompt_bucket  # noqa: E402
 from characters_jax.measure.bench import reset_steps  # noqa: E402
 from characters_jax.model.rope import rope_frequencies  # noqa: E402
 from pallas_kernels.numerics import AMAX_FLOOR, FP8_MAX  # noqa: E402
@@ -112,89 +119,62 @@ COMPONENTS = ("gemm", "attention", "elementwise", "cache_write", "all_reduce", "
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
     """What the torch step takes from a ``Config``, for one rank of tensor-parallel size tp.
-    num_heads / mlp_dim are the model's (global); ``heads`` / ``mlp`` the rank's share."""
+    Nothing is derived here: the model's shapes are ``cfg.model``; the rank's heads and MLP
+    columns ``shard`` (``Config.share_of_tp``); the cache's slots ``layout``
+    (``CacheLayout``, as the JAX engine lays its cache out); positions and prompt buckets
+    the JAX engine's own (``engine.state``, ``engine.step.prompt_bucket``)."""
 
-    num_blocks: int
-    d_model: int
-    num_heads: int
-    head_dim: int
-    mlp_dim: int
-    latent_channels: int
-    audio_feature_dim: int
-    audio_tokens: int
-    prompt_vocab: int
-    grid_h: int
-    grid_w: int
-    max_prompt_tokens: int
-    prompt_buckets: tuple[int, ...]
-    ring_frames: int
-    reset_period: int
-    sigmas: tuple[float, ...]
-    rope_theta: float
-    rope_split: tuple[int, int, int]
-    eps: float
-    dtype: str  # activations: float32 | bfloat16
-    weight_dtype: str  # block projections: float32 | bfloat16 | fp8
+    cfg: Config
     tp: int = 1
     rank: int = 0
 
     @classmethod
-    def from_config(cls, cfg, tp: int = 1, rank: int = 0) -> "StepSpec":
-        m, c = cfg.model, cfg.cache
+    def from_config(cls, cfg: Config, tp: int = 1, rank: int = 0) -> "StepSpec":
         cfg.validate_tp(tp)
         if not 0 <= rank < tp:
             raise ValueError(f"rank {rank} is not in [0, {tp})")
-        return cls(
-            num_blocks=m.num_blocks, d_model=m.d_model, num_heads=m.num_heads, head_dim=m.head_dim,
-            mlp_dim=m.mlp_dim, latent_channels=m.latent_channels, audio_feature_dim=m.audio_feature_dim,
-            audio_tokens=m.audio_tokens_per_step, prompt_vocab=m.prompt_vocab,
-            grid_h=cfg.video.grid_h, grid_w=cfg.video.grid_w,
-            max_prompt_tokens=c.max_prompt_tokens, prompt_buckets=tuple(c.prompt_buckets),
-            ring_frames=c.ring_frames, reset_period=c.reset_period, sigmas=tuple(cfg.sampler.sigmas),
-            rope_theta=m.rope_theta, rope_split=tuple(m.rope_split), eps=m.norm_eps,
-            dtype=m.dtype, weight_dtype=m.weight_dtype, tp=tp, rank=rank)
+        return cls(cfg, tp, rank)
 
     def replace(self, **kw) -> "StepSpec":
         return dataclasses.replace(self, **kw)
 
     @property
-    def heads(self) -> int:
-        return self.num_heads // self.tp
+    def model(self) -> ModelConfig:
+        return self.cfg.model
 
-    @property
-    def mlp(self) -> int:
-        return self.mlp_dim // self.tp
+    @functools.cached_property
+    def shard(self) -> ModelConfig:
+        """The rank's share of the model: num_heads and mlp_dim divided by tp."""
+        return self.cfg.share_of_tp(self.tp).model
 
-    @property
-    def tokens_img(self) -> int:
-        return self.grid_h * self.grid_w
-
-    @property
-    def tokens(self) -> int:
-        """New tokens per pass: one latent frame plus its audio tokens."""
-        return self.tokens_img + self.audio_tokens
-
-    @property
-    def sink_slots(self) -> int:
-        return self.tokens_img + self.max_prompt_tokens
-
-    @property
-    def slots(self) -> int:
-        return self.sink_slots + self.ring_frames * self.tokens
-
-    @property
-    def num_passes(self) -> int:
-        return len(self.sigmas) - 1
+    @functools.cached_property
+    def layout(self) -> CacheLayout:
+        return CacheLayout.from_config(self.cfg)
 
     @property
     def act_dtype(self):
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.model.dtype]
 
-    def prompt_bucket(self, n: int) -> int:
-        for b in self.prompt_buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"prompt of {n} tokens exceeds cache.max_prompt_tokens={self.max_prompt_tokens}")
+    @functools.cached_property
+    def frame_positions(self) -> np.ndarray:
+        """[T, 3] int64: a step's new tokens' positions at frame time 0 (a step adds its
+        frame time on axis 0)."""
+        v = self.cfg.video
+        return _engine_array(engine_state.frame_positions, 0, v.grid_h, v.grid_w,
+                             self.model.audio_tokens_per_step)
+
+    def sink_positions(self, bucket: int) -> np.ndarray:
+        """[T_img + bucket, 3] int64: the sink's positions for a prompt padded to ``bucket``."""
+        v = self.cfg.video
+        return _engine_array(engine_state.sink_positions, v.grid_h, v.grid_w, bucket)
+
+
+def _engine_array(fn, *args) -> np.ndarray:
+    """fn(*args), a function of the JAX engine, evaluated on JAX's CPU device, as int64."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(fn(*args)).astype(np.int64)
 
 
 # ==========================================================================================
@@ -234,23 +214,6 @@ def rope_angles(positions, freqs):
     with zeros, so no rounding beyond the product)."""
     angles = (positions[:, :, None] * freqs[None]).sum(1)
     return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
-
-
-def frame_positions(frame_time: int, grid_h: int, grid_w: int, audio_tokens: int) -> np.ndarray:
-    """[T, 3] int: image tokens (t, h, w) row-major, then audio token j at (t, grid_h, j)."""
-    hh, ww = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
-    img = np.stack([np.zeros(hh.size, np.int64), hh.ravel(), ww.ravel()], axis=1)
-    aud = np.stack([np.zeros(audio_tokens, np.int64), np.full(audio_tokens, grid_h), np.arange(audio_tokens)], axis=1)
-    pos = np.concatenate([img, aud], axis=0)
-    pos[:, 0] += frame_time
-    return pos
-
-
-def sink_positions(grid_h: int, grid_w: int, prompt_len: int) -> np.ndarray:
-    """[T_img + B, 3] int: the reference image at time 0, prompt token i at (0, 0, grid_w + i)."""
-    img = frame_positions(0, grid_h, grid_w, 0)
-    txt = np.stack([np.zeros(prompt_len, np.int64), np.zeros(prompt_len, np.int64), grid_w + np.arange(prompt_len)], axis=1)
-    return np.concatenate([img, txt], axis=0)
 
 
 def timestep_features(sigma: float, dim: int = TIME_FREQ_DIM):
@@ -358,14 +321,16 @@ class Weights:
 
 def _projection_shapes(spec: StepSpec) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of the rank's block projections."""
-    d, hd = spec.d_model, spec.heads * spec.head_dim
-    return {"qkv": (3 * hd, d), "out": (d, hd), "up": (spec.mlp, d), "down": (d, spec.mlp)}
+    s = spec.shard
+    d, hd = s.d_model, s.num_heads * s.head_dim
+    return {"qkv": (3 * hd, d), "out": (d, hd), "up": (s.mlp_dim, d), "down": (d, s.mlp_dim)}
 
 
 def _projection_stds(spec: StepSpec) -> dict[str, float]:
     """The init std of each projection (``characters_jax.model.dit.Block``), global widths."""
-    d, hd, f = spec.d_model, spec.num_heads * spec.head_dim, spec.mlp_dim
-    depth = 1.0 / math.sqrt(2 * spec.num_blocks)
+    m = spec.model
+    d, hd, f = m.d_model, m.num_heads * m.head_dim, m.mlp_dim
+    depth = 1.0 / math.sqrt(2 * m.num_blocks)
     return {"qkv": d ** -0.5, "out": hd ** -0.5 * depth, "up": d ** -0.5, "down": f ** -0.5 * depth}
 
 
@@ -375,41 +340,41 @@ def random_weights(spec: StepSpec, device, seed: int = 0) -> Weights:
     layer), the std as the per-tensor scale (the JAX init's distribution)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1009 + spec.rank)
-    act = spec.act_dtype
-    d, c = spec.d_model, spec.latent_channels
+    act, m = spec.act_dtype, spec.model
+    d, c = m.d_model, m.latent_channels
 
     def normal(shape, std, dtype):
         return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
     small = {
         "patch_embed": normal((d, c), c ** -0.5, act),
-        "audio_embed": normal((d, spec.audio_feature_dim), spec.audio_feature_dim ** -0.5, act),
-        "prompt_embed": normal((spec.prompt_vocab, d), 1.0, act),
+        "audio_embed": normal((d, m.audio_feature_dim), m.audio_feature_dim ** -0.5, act),
+        "prompt_embed": normal((m.prompt_vocab, d), 1.0, act),
         "time_in": normal((d, TIME_FREQ_DIM), TIME_FREQ_DIM ** -0.5, act),
         "time_out": normal((d, d), d ** -0.5, act),
         "adaln": normal((3 * d, d), 0.02 * d ** -0.5, act),
         "final_mod": normal((2 * d, d), 0.02 * d ** -0.5, act),
         "proj_out": normal((c, d), d ** -0.5, act),
     }
-    L = spec.num_blocks
+    L = m.num_blocks
     stds = _projection_stds(spec)
     blocks = {}
     scales = torch.ones((L, 4), dtype=torch.float32, device=device)
     for i, (name, (n, k)) in enumerate(_projection_shapes(spec).items()):
-        if spec.weight_dtype == "fp8":
+        if m.weight_dtype == "fp8":
             w = torch.empty((L, n, k), dtype=torch.float8_e4m3fn, device=device)
             for layer in range(L):
                 w[layer] = torch.randn((n, k), generator=gen, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
             scales[:, i] = stds[name]
         else:
-            wd = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.weight_dtype]
+            wd = {"float32": torch.float32, "bfloat16": torch.bfloat16}[m.weight_dtype]
             w = torch.empty((L, n, k), dtype=wd, device=device)
             for layer in range(L):
                 w[layer] = normal((n, k), stds[name], wd)
         blocks[name] = w
     modulation = normal((L, 3, d), 0.1, torch.float32)
     modulation[:, 2] += 1.0
-    ones = torch.ones((L, spec.head_dim), dtype=torch.float32, device=device)
+    ones = torch.ones((L, m.head_dim), dtype=torch.float32, device=device)
     return Weights(**small, **blocks, scales=scales, q_norm=ones, k_norm=ones.clone(), modulation=modulation)
 
 
@@ -452,7 +417,7 @@ def shard_weights(full: Weights, spec: StepSpec) -> Weights:
     columns), out and down columns; everything else replicated."""
     if spec.tp == 1:
         return full
-    r, hd, f = spec.rank, spec.heads * spec.head_dim, spec.mlp
+    r, hd, f = spec.rank, spec.shard.num_heads * spec.shard.head_dim, spec.shard.mlp_dim
     rows = lambda w, n: w[:, r * n:(r + 1) * n].contiguous()  # noqa: E731
     cols = lambda w, n: w[:, :, r * n:(r + 1) * n].contiguous()  # noqa: E731
     return dataclasses.replace(full, qkv=rows(full.qkv, 3 * hd), up=rows(full.up, f),
@@ -461,12 +426,12 @@ def shard_weights(full: Weights, spec: StepSpec) -> Weights:
 
 def check_weights(weights: Weights, spec: StepSpec) -> None:
     """Raises ValueError naming the first weight whose shape does not fit spec's rank."""
-    d, c = spec.d_model, spec.latent_channels
-    L = spec.num_blocks
-    want = {"patch_embed": (d, c), "audio_embed": (d, spec.audio_feature_dim),
-            "prompt_embed": (spec.prompt_vocab, d), "time_in": (d, TIME_FREQ_DIM), "time_out": (d, d),
+    m = spec.model
+    d, c, L = m.d_model, m.latent_channels, m.num_blocks
+    want = {"patch_embed": (d, c), "audio_embed": (d, m.audio_feature_dim),
+            "prompt_embed": (m.prompt_vocab, d), "time_in": (d, TIME_FREQ_DIM), "time_out": (d, d),
             "adaln": (3 * d, d), "final_mod": (2 * d, d), "proj_out": (c, d),
-            "scales": (L, 4), "q_norm": (L, spec.head_dim), "k_norm": (L, spec.head_dim),
+            "scales": (L, 4), "q_norm": (L, m.head_dim), "k_norm": (L, m.head_dim),
             "modulation": (L, 3, d)}
     want.update({name: (L, n, k) for name, (n, k) in _projection_shapes(spec).items()})
     for name, shape in want.items():
@@ -509,7 +474,7 @@ def make_ops(spec: StepSpec, quant: str | None, cache_dtype, compiler: Callable 
     (applied to each function), or None for eager."""
     if quant is not None and quant not in SCALES:
         raise ValueError(f"activation scales must be one of {SCALES}, got {quant!r}")
-    dt, eps, heads, hd = spec.act_dtype, spec.eps, spec.heads, spec.head_dim
+    dt, eps, heads, hd = spec.act_dtype, spec.model.norm_eps, spec.shard.num_heads, spec.shard.head_dim
     per_row = quant == "row"
 
     def gemm_input(h):
@@ -645,29 +610,30 @@ class TorchStep:
         self.fp8 = weights.fp8
         if self.fp8 and act_scale not in SCALES:
             raise ValueError(f"act_scale must be one of {SCALES}, got {act_scale!r}")
-        if self.fp8 and self.cuda and spec.dtype != "bfloat16":
+        if self.fp8 and self.cuda and spec.model.dtype != "bfloat16":
             raise ValueError("FP8 GEMMs through torch._scaled_mm write bf16: the config's model.dtype must be bfloat16")
         self.act_scale = act_scale if self.fp8 else None
         self.mask_mode, self.attention, self.fast_accum = mask, attention, fast_accum
         self.graphs = graphs and self.cuda
         dt = spec.act_dtype
         self.cache_dtype = dt
-        L, H, S, D, T = spec.num_blocks, spec.heads, spec.slots, spec.head_dim, spec.tokens
+        m, layout = spec.model, spec.layout
+        L, H, S, D, T = m.num_blocks, spec.shard.num_heads, layout.slots, m.head_dim, layout.tokens_per_step
         dev = self.device
         self.k_cache = torch.zeros((L, H, S, D), dtype=dt, device=dev)
         self.v_cache = torch.zeros((L, H, S, D), dtype=dt, device=dev)
         self.valid = torch.zeros((S,), dtype=torch.bool, device=dev)
         # Static inputs and output of the step (the CUDA graphs read and write these).
-        self.audio = torch.zeros((spec.audio_tokens, spec.audio_feature_dim), dtype=torch.float32, device=dev)
-        self.noise = torch.zeros((spec.tokens_img, spec.latent_channels), dtype=torch.float32, device=dev)
+        self.audio = torch.zeros((m.audio_tokens_per_step, m.audio_feature_dim), dtype=torch.float32, device=dev)
+        self.noise = torch.zeros((spec.cfg.video.tokens_per_frame, m.latent_channels), dtype=torch.float32, device=dev)
         self.latent = torch.zeros_like(self.noise)
         self.ring_index = torch.zeros((), dtype=torch.int64, device=dev)
         self.frame_time = torch.zeros((), dtype=torch.int64, device=dev)
-        self.frame_slots = spec.sink_slots + torch.arange(T, dtype=torch.int64, device=dev)
-        self.base_positions = torch.from_numpy(frame_positions(0, spec.grid_h, spec.grid_w, spec.audio_tokens)).float().to(dev)
+        self.frame_slots = layout.sink_slots + torch.arange(T, dtype=torch.int64, device=dev)
+        self.base_positions = torch.from_numpy(spec.frame_positions).float().to(dev)
         self.time_axis = torch.tensor([1.0, 0.0, 0.0], device=dev)
-        self.freqs = torch.from_numpy(rope_frequencies(D, spec.rope_split, spec.rope_theta)).to(dev)
-        self.pass_features = torch.stack([timestep_features(s) for s in spec.sigmas[:-1]]).to(dev)
+        self.freqs = torch.from_numpy(rope_frequencies(D, m.rope_split, m.rope_theta)).to(dev)
+        self.pass_features = torch.stack([timestep_features(s) for s in spec.cfg.sampler.sigmas[:-1]]).to(dev)
         self.sink_features = timestep_features(0.0).to(dev)
         # Each block weight's per-tensor scale, per layer: row scales as the [1, N] operand
         # _scaled_mm takes; tensor scales one per 16 bytes ([L, 4], column 0), since cuBLASLt
@@ -701,58 +667,59 @@ class TorchStep:
     def start_session(self, image_latent, prompt_tokens, seed: int = 0) -> None:
         """Prefills the sink: image_latent [grid_h, grid_w, C] float32, prompt ids (at most
         cache.max_prompt_tokens, padded to a bucket and masked); seed: the noise seed."""
-        sp, w, dt = self.spec, self.weights, self.spec.act_dtype
+        cfg, w, dt = self.spec.cfg, self.weights, self.spec.act_dtype
+        v, m = cfg.video, cfg.model
         image = torch.as_tensor(np.asarray(image_latent, np.float32))
-        if tuple(image.shape) != (sp.grid_h, sp.grid_w, sp.latent_channels):
-            raise ValueError(f"image_latent must have shape {(sp.grid_h, sp.grid_w, sp.latent_channels)}, got {tuple(image.shape)}")
+        if tuple(image.shape) != (v.grid_h, v.grid_w, m.latent_channels):
+            raise ValueError(f"image_latent must have shape {(v.grid_h, v.grid_w, m.latent_channels)}, got {tuple(image.shape)}")
         ids = np.asarray(prompt_tokens, np.int64).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= sp.prompt_vocab):
-            raise ValueError(f"prompt token ids must be in [0, {sp.prompt_vocab})")
+        if ids.size and (ids.min() < 0 or ids.max() >= m.prompt_vocab):
+            raise ValueError(f"prompt token ids must be in [0, {m.prompt_vocab})")
         n = ids.size
-        b = sp.prompt_bucket(n)
+        b = prompt_bucket(cfg.cache, n)
         padded = torch.from_numpy(np.pad(ids, (0, b - n))).to(self.device)
-        img = image.reshape(sp.tokens_img, sp.latent_channels).to(self.device)
+        img = image.reshape(v.tokens_per_frame, m.latent_channels).to(self.device)
         tokens = torch.cat([F.linear(img.to(dt), w.patch_embed), w.prompt_embed[padded].to(dt)])
-        pos = torch.from_numpy(sink_positions(sp.grid_h, sp.grid_w, b)).float().to(self.device)
+        pos = torch.from_numpy(self.spec.sink_positions(b)).float().to(self.device)
         cos, sin = rope_angles(pos, self.freqs)
-        slots = torch.arange(sp.tokens_img + b, dtype=torch.int64, device=self.device)
+        slots = torch.arange(v.tokens_per_frame + b, dtype=torch.int64, device=self.device)
         self.valid.zero_()
-        self.valid[: sp.tokens_img + n] = True
+        self.valid[: v.tokens_per_frame + n] = True
         temb = self._time_embedding(self.sink_features)
         shared = self._shared_modulation(temb)
         mask = self.valid.view(1, 1, 1, -1)
         with self._sdpa(True, pick=False):
-            for layer in range(sp.num_blocks):
+            for layer in range(m.num_blocks):
                 tokens = self._block(layer, tokens, shared, cos, sin, slots, mask, self.eager_ops)
         self.step_index, self.frame_time_host = 0, 1
-        self.sink_full = n == sp.max_prompt_tokens
+        self.sink_full = n == cfg.cache.max_prompt_tokens
         self.gen.manual_seed(seed)
 
     def masked_now(self) -> bool:
         """Whether this step needs the slot mask: some sink slot is empty (a short prompt)
         or the ring still has frames not written (the first ring_frames - 1 steps)."""
-        full = self.sink_full and self.step_index + 1 >= self.spec.ring_frames
+        full = self.sink_full and self.step_index + 1 >= self.spec.layout.ring_frames
         return self.mask_mode == "always" or not full
 
     def step(self, audio, noise=None):
         """audio [A_tok, F_a] float32 (on the step's device: no host transfer), noise
         [T_img, C] float32 or None (drawn from the session's generator) -> the latent
         [T_img, C] float32: a static buffer, valid until the next step. No host sync."""
-        sp = self.spec
+        c = self.spec.cfg.cache
         if tuple(audio.shape) != tuple(self.audio.shape):
             raise ValueError(f"audio must have shape {tuple(self.audio.shape)}, got {tuple(audio.shape)}")
         if noise is not None and tuple(noise.shape) != tuple(self.noise.shape):
             raise ValueError(f"noise must have shape {tuple(self.noise.shape)}, got {tuple(noise.shape)}")
-        if self.frame_time_host >= sp.ring_frames + sp.reset_period:
+        if self.frame_time_host >= c.ring_frames + c.reset_period:
             with _scope("cache_write"):
-                self._rotate_ring(-sp.reset_period)
-            self.frame_time_host -= sp.reset_period
+                self._rotate_ring(-c.reset_period)
+            self.frame_time_host -= c.reset_period
         self.audio.copy_(audio)
         if noise is None:
             self.noise.normal_(generator=self.gen)
         else:
             self.noise.copy_(noise)
-        self.ring_index.fill_(self.step_index % sp.ring_frames)
+        self.ring_index.fill_(self.step_index % c.ring_frames)
         self.frame_time.fill_(self.frame_time_host)
         masked = self.masked_now()
         if self.graphs:
@@ -766,9 +733,10 @@ class TorchStep:
 
     # ---- the step's body (captured as a CUDA graph) -----------------------------------------
     def _step_body(self, masked: bool) -> None:
-        sp, w, dt = self.spec, self.weights, self.spec.act_dtype
+        cfg, w, dt = self.spec.cfg, self.weights, self.spec.act_dtype
+        sigmas, t_img = cfg.sampler.sigmas, cfg.video.tokens_per_frame
         with _scope("step_begin"):
-            slots = self.frame_slots + self.ring_index * sp.tokens
+            slots = self.frame_slots + self.ring_index * self.spec.layout.tokens_per_step
             self.valid.index_fill_(0, slots, True)
             pos = self.base_positions + self.frame_time.float() * self.time_axis
             cos, sin = rope_angles(pos, self.freqs)
@@ -776,15 +744,15 @@ class TorchStep:
         with _scope("embed_head"):
             audio_tokens = F.linear(self.audio.to(dt), w.audio_embed)
         x = self.noise
-        for i in range(sp.num_passes):
+        for i in range(cfg.sampler.num_passes):
             with _scope("embed_head"):
                 h = torch.cat([F.linear(x.to(dt), w.patch_embed), audio_tokens])
                 temb = self._time_embedding(self.pass_features[i])
                 shared = self._shared_modulation(temb)
-            for layer in range(sp.num_blocks):
+            for layer in range(cfg.model.num_blocks):
                 h = self._block(layer, h, shared, cos, sin, slots, mask, self.ops)
             with _scope("embed_head"):
-                x = x + (sp.sigmas[i + 1] - sp.sigmas[i]) * self._head(h[: sp.tokens_img], temb)
+                x = x + (sigmas[i + 1] - sigmas[i]) * self._head(h[:t_img], temb)
         self.latent.copy_(x)
 
     def _block(self, layer: int, x, shared, cos, sin, slots, mask, ops: ElementwiseOps):
@@ -839,15 +807,15 @@ class TorchStep:
         """Velocity of the image tokens: x [T_img, d], temb [d] -> [T_img, C] f32."""
         w, dt = self.weights, self.spec.act_dtype
         mod = F.linear(F.silu(temb).to(dt), w.final_mod).float().reshape(2, -1)
-        return F.linear(modulated_norm(x, mod[0], mod[1], self.spec.eps).to(dt), w.proj_out).float()
+        return F.linear(modulated_norm(x, mod[0], mod[1], self.spec.model.norm_eps).to(dt), w.proj_out).float()
 
     def _rotate_ring(self, delta_time: int) -> None:
         """The position reset: every ring key rotated by delta_time positions on the time
         axis, in place, one layer at a time (the sink keeps its positions)."""
         angles = delta_time * self.freqs[0]
         cos, sin = torch.cos(angles), torch.sin(angles)
-        ring = slice(self.spec.sink_slots, None)
-        for layer in range(self.spec.num_blocks):
+        ring = slice(self.spec.layout.sink_slots, None)
+        for layer in range(self.spec.model.num_blocks):
             keys = self.k_cache[layer, :, ring]
             keys.copy_(rotate(keys, cos, sin))
 
@@ -855,7 +823,8 @@ class TorchStep:
     def _probe(self, masked: bool):
         """Operands of the step's attention call for timing the SDPA backends."""
         sp = self.spec
-        q = torch.zeros((1, sp.heads, sp.tokens, sp.head_dim), dtype=self.spec.act_dtype, device=self.device)
+        q = torch.zeros((1, sp.shard.num_heads, sp.layout.tokens_per_step, sp.model.head_dim), dtype=sp.act_dtype,
+                        device=self.device)
         return q, self.k_cache[0][None], self.v_cache[0][None], (self.valid.view(1, 1, 1, -1) if masked else None)
 
     def _sdpa(self, masked: bool, pick: bool):
@@ -1015,14 +984,14 @@ def jax_session(cfg, inputs: SessionInputs, seed: int, steps: int):
 def torch_session(engine: TorchStep, inputs: SessionInputs, seed: int, steps: int, noise=None) -> np.ndarray:
     """Latents [steps, grid_h, grid_w, C] float32 of a torch session; noise [steps, T_img, C]
     (e.g. ``jax_noise``) or None (the session's generator)."""
-    sp = engine.spec
+    v, m = engine.spec.cfg.video, engine.spec.model
     engine.start_session(inputs.image, inputs.prompt, seed=seed)
     audio = torch.from_numpy(inputs.audio).to(engine.device)
     noise = None if noise is None else torch.from_numpy(np.asarray(noise, np.float32)).to(engine.device)
     out = []
     for s in range(steps):
         lat = engine.step(audio[s], None if noise is None else noise[s])
-        out.append(lat.to("cpu", torch.float32, copy=True).numpy().reshape(sp.grid_h, sp.grid_w, sp.latent_channels))
+        out.append(lat.to("cpu", torch.float32, copy=True).numpy().reshape(v.grid_h, v.grid_w, m.latent_channels))
     return np.stack(out)
 
 
@@ -1171,7 +1140,7 @@ def run_torch_side(cfg, inputs: SessionInputs, args, log, rank: int = 0, group=N
     init_s = time.perf_counter() - t0
     log(f"[torch] random weights on {device} in {init_s:.1f} s")
     audio = torch.from_numpy(inputs.audio[0]).to(device)
-    if spec.weight_dtype == "fp8":
+    if spec.model.weight_dtype == "fp8":
         modes = list(SCALES) if args.scales == "both" else [args.scales]
     else:
         modes = ["float"]  # float block weights: no activation scales
@@ -1254,7 +1223,11 @@ def _free_port() -> int:
 
 def _rank_worker(rank: int, world: int, port: int, job: str, payload: dict, out_path: str) -> None:
     """One torch.distributed rank (spawned): 'bench' runs ``run_torch_side``; 'session'
-    runs a torch session of shard_weights(random_weights(tp = 1)) and returns its latents."""
+    runs a torch session of shard_weights(random_weights(tp = 1)) and returns its latents.
+    JAX (the engine's positions) runs on the CPU here: a rank never touches JAX's GPUs."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
     cuda = torch.cuda.is_available() and not payload["cpu"]
     if cuda:
         torch.cuda.set_device(rank)

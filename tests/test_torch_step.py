@@ -9,6 +9,9 @@ weights against JAX's FP8 step and a float32 torch reference; two tensor-paralle
 graph-captured step against JAX in float32, and the ``torch._scaled_mm`` FP8 step (row and
 tensor activation scales) against a float32 torch reference and against JAX's FP8 step.
 
+Without torch (the CPU CI) the file skips at collection; on a GPU machine
+``benchmarks/gpu_tests.sh`` runs it whole, after the kernels' GPU tests.
+
 Errors are ||a - b|| / ||b|| per step, on the latent and on its denoised part (latent -
 noise: the noise is shared, so the latent's own error is diluted by it). Seed 3 throughout.
 """
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch_step as ts  # noqa: E402
 
 from characters_jax.config import load_config  # noqa: E402
+from characters_jax.measure import upkeep  # noqa: E402
 
 SEED = 3
 FLOAT32_TOL = 1e-5  # float32 both sides: measured ~1-2e-7 on CPU
@@ -48,6 +52,17 @@ def _fp8_config(name: str, act_scale: str):
     return load_config(name).replace(
         model={"dtype": "bfloat16", "weight_dtype": "fp8", "activation_scale": act_scale},
         cache={"dtype": "bf16"})
+
+
+def _float32(cfg):
+    """cfg with float32 activations and block weights (the float reference's)."""
+    return cfg.replace(model={"dtype": "float32", "weight_dtype": "float32"})
+
+
+def _noise(cfg, steps):
+    """[steps, T_img, C] float32 standard normal (seed SEED)."""
+    shape = (steps, cfg.video.tokens_per_frame, cfg.model.latent_channels)
+    return np.random.default_rng(SEED).standard_normal(shape).astype(np.float32)
 
 
 def _against_jax(cfg, steps, device, prompt_len=None, **engine_kw):
@@ -77,7 +92,7 @@ def test_fp8_step_matches_jax_fp8_and_a_float_reference():
     steps = 3
     out, ref, noise, engine = _against_jax(cfg, steps, "cpu", act_scale="row")
     inputs = ts.session_inputs(cfg, steps, SEED)
-    spec32 = engine.spec.replace(dtype="float32", weight_dtype="float32")
+    spec32 = ts.StepSpec.from_config(_float32(cfg))
     f32 = ts.torch_session(ts.TorchStep(spec32, engine.weights.dequantized(), "cpu"), inputs, SEED, steps, noise)
     tensor = ts.torch_session(ts.TorchStep(engine.spec, engine.weights, "cpu", act_scale="tensor"), inputs, SEED, steps, noise)
     vs_jax = [e[1] for e in _errors(out, ref, noise)]
@@ -97,7 +112,7 @@ def test_every_layers_tensor_scale_is_16_byte_aligned():
     weights = ts.random_weights(spec, torch.device("cpu"), seed=SEED)
     engine = ts.TorchStep(spec, weights, "cpu", act_scale="tensor", compile=False)
     for i, name in enumerate(ts.BLOCK_PROJECTIONS):
-        for layer in range(spec.num_blocks):
+        for layer in range(spec.model.num_blocks):
             scale = engine.w_scale[name][layer]
             assert scale.data_ptr() % 16 == 0, (name, layer, scale.data_ptr() % 16)
             assert scale.item() == weights.scales[layer, i].float().item(), (name, layer)
@@ -114,7 +129,7 @@ def test_compiled_elementwise_work_equals_eager():
     spec = ts.StepSpec.from_config(cfg)
     weights = ts.random_weights(spec, torch.device("cpu"), seed=SEED)
     inputs = ts.session_inputs(cfg, steps, SEED)
-    noise = np.random.default_rng(SEED).standard_normal((steps, spec.tokens_img, spec.latent_channels)).astype(np.float32)
+    noise = _noise(cfg, steps)
     runs = {}
     for compile in (False, True):
         engine = ts.TorchStep(spec, weights, "cpu", act_scale="row", compile=compile)
@@ -129,7 +144,7 @@ def test_two_ranks_equal_one():
     steps = 4  # the reset at step 2
     assert 2 in ts.reset_steps(steps, cfg.cache.ring_frames, cfg.cache.reset_period)
     inputs = ts.session_inputs(cfg, steps, SEED)
-    noise = np.random.default_rng(SEED).standard_normal((steps, cfg.video.tokens_per_frame, cfg.model.latent_channels)).astype(np.float32)
+    noise = _noise(cfg, steps)
     two = ts.run_ranks(2, "session", {"cfg": cfg, "inputs": inputs, "seed": SEED, "steps": steps, "noise": noise, "cpu": True},
                        timeout_s=240)["latents"]
     spec = ts.StepSpec.from_config(cfg)
@@ -170,7 +185,7 @@ def test_the_benchmark_command_on_tiny(tmp_path):
     assert mode["step_ms"]["n"] == 2 and mode["latent_finite"]
     assert mode["timed_steps_masked"]  # the ring is not full after 3 steps
     assert mode["torch_over_jax_p50"] == pytest.approx(mode["step_ms"]["p50"] / r["jax"]["step_ms"]["p50"])
-    assert r["step_flops"] == ts.step_flops(load_config("tiny"))
+    assert r["step_flops"] == upkeep.step_flops(load_config("tiny"))
     assert set(mode["breakdown"]["components_ms"]) == set(ts.COMPONENTS)
     table = (out / "torch_step_tiny_tp1.md").read_text()
     assert f"| p50 / JAX p50 | 1.000 | {mode['torch_over_jax_p50']:.3f} |" in table
@@ -203,11 +218,11 @@ def test_gpu_scaled_mm_step_close_to_a_float_reference(act_scale):
     device = torch.device("cuda")
     weights = ts.random_weights(spec, device, seed=SEED)
     inputs = ts.session_inputs(cfg, steps, SEED)
-    noise = np.random.default_rng(SEED).standard_normal((steps, spec.tokens_img, spec.latent_channels)).astype(np.float32)
+    noise = _noise(cfg, steps)
     engine = ts.TorchStep(spec, weights, device, act_scale=act_scale)
     out = ts.torch_session(engine, inputs, SEED, steps, noise)
     assert engine.captured == ("masked", "unmasked")
-    spec32 = spec.replace(dtype="float32", weight_dtype="float32")
+    spec32 = ts.StepSpec.from_config(_float32(cfg))
     ref = ts.torch_session(ts.TorchStep(spec32, weights.dequantized(), device, compile=False, graphs=False),
                            inputs, SEED, steps, noise)
     errs = [e[1] for e in _errors(out, ref, noise)]
