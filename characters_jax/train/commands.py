@@ -1,5 +1,5 @@
-"""`characters-jax train`: the demonstrator's training (all stages), its evaluation, and
-the demo's held-out assets."""
+"""`characters-jax train`: the demonstrator's training (all stages), the self-rollout stage
+on a trained weights directory, its evaluation, and the demo's held-out assets."""
 
 from __future__ import annotations
 
@@ -20,6 +20,14 @@ def _all(args) -> int:
 
     cfg, s = _settings(args)
     train_all(cfg, s, args.out, deadline_s=args.deadline_s, export=args.export)
+    return 0
+
+
+def _rollout(args) -> int:
+    from characters_jax.train.finetune import finetune
+
+    cfg, s = _settings(args)
+    finetune(cfg, s, args.weights, args.out, deadline_s=args.deadline_s, export=args.export)
     return 0
 
 
@@ -82,6 +90,16 @@ def register(subparsers) -> None:
     q.add_argument("--export", default=None,
                    help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
     q.set_defaults(func=_errors(_all))
+
+    q = sub.add_parser("rollout", help="the self-rollout stage from a trained weights directory (a fine-tune; "
+                                       "resumable), then its weights and evaluation")
+    common(q)
+    q.add_argument("--weights", required=True, help="the weights directory to start from (e.g. checkpoints/talking)")
+    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it")
+    q.add_argument("--deadline-s", type=float, default=None, help="wall-clock seconds for the whole run")
+    q.add_argument("--export", default=None,
+                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
+    q.set_defaults(func=_errors(_rollout))
 
     q = sub.add_parser("eval", help="lip sync, identity and drift of a weights directory on held-out clips")
     common(q)

@@ -83,7 +83,7 @@ def run_stage(name: str, state, step_fn: Callable, next_batch: Callable, *, stor
                 record["examples_per_s"] = rate * examples_per_step
                 log(f"{name}: {rate:.2f} steps/s ({rate * examples_per_step:.0f} examples/s): {planned} steps planned")
             else:
-                if not replanned and now - t0 >= 0.25 * budget_s and step < 0.5 * planned:
+                if not replanned and planned is not None and now - t0 >= 0.25 * budget_s and step < 0.5 * planned:
                     replanned = True
                     rate = (step - timing_from[0]) / (now - timing_from[1])
                     planned = int(min(loop.max_steps, step + max(0.0, budget_s - (now - t0)) * rate * 0.97))

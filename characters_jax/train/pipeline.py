@@ -1,17 +1,18 @@
-"""`train all`: data, VAE, latents, DiT, weights and evaluation within one deadline.
+"""`train all`: data, VAE, latents, DiT, self-rollout, weights and evaluation within one deadline.
 
 Output directory (everything a rerun resumes from):
   plans/     clip plans (train, heldout, session shards; made by worker processes from the
              start, beside the VAE, which needs no speech)
-  vae/ dit/  the stages' checkpoints (`state_io.StageStore`; done.json when finished)
+  vae/ dit/ rollout/  the stages' checkpoints (`state_io.StageStore`; done.json when
+             finished); the self-rollout stage (`self_rollout`) runs when the settings give
+             it a share of the deadline, from the DiT stage's weights
   weights/   the result: a weights directory (`characters_jax.decoder.weights`), EMA
              weights stored as bfloat16
   weights.tar  the same, as one file to carry
   eval/      eval.json and eval.md (`evaluate`)
   summary.json  stage times, steps, examples/s, loss histories, the evaluation's table
-Time: the VAE gets its share of the deadline (`BudgetSettings`), the DiT what the deadline
-leaves after the evaluation's share and the packing (its share is what the settings plan
-for it). A
+Time: the VAE and the self-rollout stage get their shares of the deadline (`BudgetSettings`),
+the DiT what the deadline leaves after them, the evaluation's share and the packing. A
 stage that already finished is not run again; one that was cut off resumes from its last
 checkpoint.
 """
@@ -144,55 +145,32 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         vae, vae_params, vae_record = train_vae(cfg, s.vae, store, vae_budget, log, s.seed)
         if not store.done:
             store.mark_done({"step": vae_record.get("planned_steps")})
-        summary["stages"]["vae"] = _stage_summary(vae_record, clock.elapsed - t)
+        summary["stages"]["vae"] = stage_summary(vae_record, clock.elapsed - t)
 
         # latents
-        t = clock.elapsed
         dit_store = StageStore(out / "dit")
-        resumed = dit_store.steps()
-        clips = None
-        if resumed:
-            clips = json.loads((dit_store.dir / f"step-{resumed[-1]:07d}.json").read_text()).get("clips")
-        queue.wait_for("train", clips or s.data.min_train_clips)
-        if clips is None and not queue.makers["train"].done():
-            log(f"latents: {queue.makers['train'].available()} of {s.data.train_clips} train clips planned; using those")
-        queue.makers["train"].stop()
-        plans = load_plans(out / "plans", "train", limit=clips)
-        data, stats = build_dit_data(cfg, vae, vae_params, plans, mouth_weight=s.dit.mouth_weight)
-        jax.block_until_ready(data)
-        summary["stages"]["latents"] = {"seconds": round(clock.elapsed - t, 1), "clips": len(plans),
-                                        "steps_per_clip": int(data.latents.shape[1])}
-        log(f"latents: {len(plans)} clips x {data.latents.shape[1]} steps in {clock.elapsed - t:.1f} s")
+        data, stats = stage_data(cfg, s, out, queue, dit_store, vae, vae_params, summary, clock, log)
 
         # DiT
         t = clock.elapsed
-        # the DiT takes what the deadline leaves after the evaluation's share and the packing
-        dit_budget = 0.0 if dit_store.done else max(0.0, clock.left - b.eval * deadline_s - PACK_RESERVE_S)
+        # the DiT takes what the deadline leaves after the self-rollout's and the evaluation's
+        # shares and the packing
+        rollout_store = StageStore(out / "rollout") if b.rollout > 0 else None
+        reserve = (b.eval + b.rollout) * deadline_s + PACK_RESERVE_S
+        dit_budget = 0.0 if dit_store.done else max(0.0, clock.left - reserve)
         graphdef, dit_params, dit_record = train_dit(cfg, s.dit, data, dit_store, dit_budget, log, s.seed)
         if not dit_store.done:
             dit_store.mark_done({"step": dit_record.get("planned_steps")})
-        summary["stages"]["dit"] = _stage_summary(dit_record, clock.elapsed - t)
+        summary["stages"]["dit"] = stage_summary(dit_record, clock.elapsed - t)
+
+        # self-rollout, from the DiT stage's weights
+        if rollout_store is not None:
+            t = clock.elapsed
+            budget = 0.0 if rollout_store.done else max(0.0, clock.left - b.eval * deadline_s - PACK_RESERVE_S)
+            dit_params, rollout_record = run_rollout_stage(cfg, s, data, rollout_store, budget, log, dit_params)
+            summary["stages"]["rollout"] = stage_summary(rollout_record, clock.elapsed - t)
         del data
-
-        # weights
-        t = clock.elapsed
-        weights_dir = pack(cfg, out, dit_params, vae_params, stats, summary)
-        summary["stages"]["pack"] = {"seconds": round(clock.elapsed - t, 1)}
-        log(f"weights: {weights_dir} ({_size_mb(weights_dir):.1f} MB), {out / 'weights.tar'}")
-        write_json(out / "summary.json", summary)
-        _export(export, out / "weights.tar", out / "summary.json")
-
-        # evaluation: its failure still leaves the weights and the summary
-        t = clock.elapsed
-        try:
-            result = run_eval(cfg, s, out, queue, weights_dir, log, time_limit_s=clock.left - EVAL_MARGIN_S)
-            _export(export, out / "eval" / "eval.json", out / "eval" / "eval.md")
-            summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "drift") if k in result}
-            log("eval:\n" + markdown(result))
-        except Exception as err:
-            log("eval failed:\n" + traceback.format_exc())
-            summary["eval"] = {"error": f"{type(err).__name__}: {err}"}
-        summary["stages"]["eval"] = {"seconds": round(clock.elapsed - t, 1)}
+        pack_and_evaluate(cfg, s, out, queue, dit_params, vae_params, stats, summary, clock, log, export)
     finally:
         queue.stop()
     summary["seconds"] = round(clock.elapsed, 1)
@@ -200,6 +178,64 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
     _export(export, out / "summary.json")
     log(f"train all: done in {clock.elapsed:.0f} s")
     return summary
+
+
+def stage_data(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, store: StageStore, vae, vae_params,
+               summary: dict, clock: Clock, log, stats: LatentStats | None = None):
+    """The DiT stages' training set from the train plans (as many as the resumed checkpoint of
+    `store` used, else those planned once min_train_clips are), encoded by the VAE and
+    normalised with `stats` (measured here if None). Returns (DitData, stats); records the
+    'latents' stage in summary."""
+    t = clock.elapsed
+    resumed = store.steps()
+    clips = None
+    if resumed:
+        clips = json.loads((store.dir / f"step-{resumed[-1]:07d}.json").read_text()).get("clips")
+    queue.wait_for("train", clips or s.data.min_train_clips)
+    if clips is None and not queue.makers["train"].done():
+        log(f"latents: {queue.makers['train'].available()} of {s.data.train_clips} train clips planned; using those")
+    queue.makers["train"].stop()
+    plans = load_plans(out / "plans", "train", limit=clips)
+    data, stats = build_dit_data(cfg, vae, vae_params, plans, stats=stats, mouth_weight=s.dit.mouth_weight)
+    jax.block_until_ready(data)
+    summary["stages"]["latents"] = {"seconds": round(clock.elapsed - t, 1), "clips": len(plans),
+                                    "steps_per_clip": int(data.latents.shape[1])}
+    log(f"latents: {len(plans)} clips x {data.latents.shape[1]} steps in {clock.elapsed - t:.1f} s")
+    return data, stats
+
+
+def pack_and_evaluate(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, dit_params, vae_params,
+                      stats: LatentStats, summary: dict, clock: Clock, log, export=None) -> None:
+    """Writes the weights (and weights.tar), then evaluates them on the held-out plans in
+    the time left; an evaluation that fails still leaves the weights and the summary."""
+    t = clock.elapsed
+    weights_dir = pack(cfg, out, dit_params, vae_params, stats, summary)
+    summary["stages"]["pack"] = {"seconds": round(clock.elapsed - t, 1)}
+    log(f"weights: {weights_dir} ({_size_mb(weights_dir):.1f} MB), {out / 'weights.tar'}")
+    write_json(out / "summary.json", summary)
+    _export(export, out / "weights.tar", out / "summary.json")
+
+    t = clock.elapsed
+    try:
+        result = run_eval(cfg, s, out, queue, weights_dir, log, time_limit_s=clock.left - EVAL_MARGIN_S)
+        _export(export, out / "eval" / "eval.json", out / "eval" / "eval.md")
+        summary["eval"] = {k: result[k] for k in ("table", "targets", "identity", "fidelity", "drift") if k in result}
+        log("eval:\n" + markdown(result))
+    except Exception as err:
+        log("eval failed:\n" + traceback.format_exc())
+        summary["eval"] = {"error": f"{type(err).__name__}: {err}"}
+    summary["stages"]["eval"] = {"seconds": round(clock.elapsed - t, 1)}
+
+
+def run_rollout_stage(cfg: Config, s: TrainSettings, data, store: StageStore, budget_s: float, log, init_params):
+    """The self-rollout stage from init_params (resumed from `store` if it has a
+    checkpoint); marks it done. Returns (ema params, record)."""
+    from characters_jax.train.self_rollout import train_rollout
+
+    _, params, record = train_rollout(cfg, s.rollout, data, store, budget_s, log, init_params, s.seed)
+    if not store.done:
+        store.mark_done({"step": record.get("planned_steps")})
+    return params, record
 
 
 def _export(directory, *paths) -> None:
@@ -251,7 +287,7 @@ def pack(cfg: Config, out: pathlib.Path, dit_params, vae_params, stats: LatentSt
     return weights_dir
 
 
-def _stage_summary(record: dict, seconds: float) -> dict:
+def stage_summary(record: dict, seconds: float) -> dict:
     hist = record.get("history", [])
     return {"seconds_this_run": round(seconds, 1), "seconds_total": round(record.get("seconds", 0.0), 1),
             "steps": hist[-1][0] if hist else None, "planned_steps": record.get("planned_steps"),

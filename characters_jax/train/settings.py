@@ -3,7 +3,8 @@
 A settings file is `configs/train/<name>.toml` (or a path): top-level `config` (the model
 config it trains) and `seed`, then one table per stage. In `[vae]` and `[dit]`, the
 optimizer's fields (`OptimSettings`: lr, warmup_steps, ...) and the loop's (`LoopSettings`:
-max_steps, log_every, save_every_s) sit beside the stage's own. `--set dit.batch=8` style
+max_steps, log_every, save_every_s) sit beside the stage's own; so in `[rollout]` (the
+self-rollout stage, run when `budget.rollout` gives it a share). `--set dit.batch=8` style
 overrides apply on top; an unknown key is an error that names it.
 """
 
@@ -17,6 +18,7 @@ from characters_jax.train.dit_train import DitSettings
 from characters_jax.train.evaluate import EvalSettings
 from characters_jax.train.loop import LoopSettings
 from characters_jax.train.optim import OptimSettings
+from characters_jax.train.self_rollout import RolloutSettings
 from characters_jax.train.vae_train import VaeSettings
 
 TRAIN_DIR = CONFIG_DIR / "train"
@@ -37,11 +39,13 @@ class DataSettings:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetSettings:
-    """Shares of the deadline: the VAE's and the evaluation's; the DiT gets what the VAE, the
-    latents and the packing leave before the evaluation (the data runs beside the VAE)."""
+    """Shares of the deadline: the VAE's, the self-rollout stage's (0: not run) and the
+    evaluation's; the DiT gets what the VAE, the latents, the self-rollout stage and the
+    packing leave before the evaluation (the data runs beside the VAE)."""
 
     deadline_s: float = 480.0
     vae: float = 0.30
+    rollout: float = 0.0
     eval: float = 0.14
 
 
@@ -53,6 +57,7 @@ class TrainSettings:
     data: DataSettings = DataSettings()
     vae: VaeSettings = VaeSettings()
     dit: DitSettings = DitSettings()
+    rollout: RolloutSettings = RolloutSettings()
     eval: EvalSettings = EvalSettings()
 
 
@@ -108,8 +113,9 @@ def settings_from_dict(raw: dict) -> TrainSettings:
             top[key] = _coerce(key, getattr(s, key), raw.pop(key))
     tables = {}
     for key, value in raw.items():
-        if key not in ("budget", "data", "vae", "dit", "eval"):
-            raise ConfigError(f"{key}: unknown setting or table (known: config, seed, budget, data, vae, dit, eval)")
+        if key not in ("budget", "data", "vae", "dit", "rollout", "eval"):
+            raise ConfigError(f"{key}: unknown setting or table (known: config, seed, budget, data, vae, dit, rollout, "
+                              "eval)")
         tables[key] = _section(key, getattr(s, key), value)
     return dataclasses.replace(s, **top, **tables)
 
@@ -138,4 +144,4 @@ def load_settings(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()
 
 # Plain names for the stages' nested settings (imported here for one import site).
 __all__ = ["BudgetSettings", "DataSettings", "DitSettings", "EvalSettings", "LoopSettings", "OptimSettings",
-           "TrainSettings", "VaeSettings", "load_settings", "settings_from_dict"]
+           "RolloutSettings", "TrainSettings", "VaeSettings", "load_settings", "settings_from_dict"]
