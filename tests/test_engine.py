@@ -257,3 +257,24 @@ def test_rope_angles_are_computed_once_per_step():
     total, inside = _ops_inside_loops(text, "stablehlo.sine")
     assert total >= 1 and inside == 0, (total, inside)
     assert _ops_inside_loops(text, "stablehlo.while")[0] >= 4  # the block scans are loops
+
+
+def test_block_ops_follow_the_resolved_options():
+    """Each program's BlockOps: the reference variant when no kernel of engine.kernels is on,
+    the kernels variant with exactly the resolved kernels otherwise; the prefill's ops are
+    marked (they set the FP8 scales and never run the fused qkv kernel), the step's not."""
+    from characters_jax.engine.block_ops import KernelOps, ReferenceOps
+    from characters_jax.engine.step import Engine
+    from characters_jax.parallel.sharding import make_mesh
+
+    plain = Engine(CFG.replace(engine={"reduce": "ppermute"}), make_mesh(2))
+    for ops, prefill in ((plain.prefill_ops, True), (plain.step_ops, False)):
+        assert type(ops) is ReferenceOps and ops.prefill is prefill
+        assert (ops.reduce_method, ops.attention_impl) == ("ppermute", plain.options.attention)
+        assert not ops.weights_in_place and not ops.attention_rows_padded
+    fp8 = CFG.replace(model={"weight_dtype": "fp8", "dtype": "bfloat16"})
+    stacked = Engine(fp8.replace(engine={"kernels": "gemm"}), make_mesh(2))
+    ops = stacked.step_ops
+    assert type(ops) is KernelOps and (ops.gemm, ops.quant, ops.qkv) == (True, False, False)
+    assert ops.weights_in_place and not ops.attention_rows_padded
+    assert type(Engine(fp8.replace(engine={"kernels": "none"}), make_mesh(2)).step_ops) is ReferenceOps
