@@ -88,10 +88,10 @@ def _data(cfg, n=6, steps=8):
                    token_weight=jnp.ones((t_img,), "float32"))
 
 
-def _settings(max_steps, lr=3e-3):
+def _settings(max_steps, lr=3e-3, current="noised"):
     from characters_jax.train.optim import OptimSettings
 
-    return RolloutSettings(batch=4, rollout_steps=6,
+    return RolloutSettings(batch=4, rollout_steps=6, current=current,
                            optim=OptimSettings(lr=lr, warmup_steps=3, ema_decay=0.9),
                            loop=LoopSettings(max_steps=max_steps, log_every=1, plan_after=100, save_every_s=3600.0))
 
@@ -107,11 +107,12 @@ def _losses(record):
     return np.asarray([row[cols.index("loss")] for row in record["history"]])
 
 
-def test_self_rollout_steps_lower_the_loss(tmp_path):
+@pytest.mark.parametrize("current", ["noised", "rollout"])
+def test_self_rollout_steps_lower_the_loss(tmp_path, current):
     cfg = mini_config()
     lines = []
-    _, ema, record = train_rollout(cfg, _settings(16), _data(cfg), StageStore(tmp_path / "rollout"), 600.0,
-                                   lines.append, _init(cfg), seed=0)
+    _, ema, record = train_rollout(cfg, _settings(16, current=current), _data(cfg), StageStore(tmp_path / "rollout"),
+                                   600.0, lines.append, _init(cfg), seed=0)
     loss = _losses(record)
     assert record["rollout_steps"] == 6 and len(loss) >= 14 and np.all(np.isfinite(loss))
     assert loss[-4:].mean() < 0.8 * loss[:4].mean(), loss
@@ -160,10 +161,11 @@ def test_finetune_starts_from_a_weights_directory(tmp_path):
 def test_the_stage_has_its_own_settings():
     from characters_jax.train.settings import load_settings
 
-    s = load_settings("talking", ["rollout.lr=3e-5", "rollout.rollout_steps=24", "budget.rollout=0.2"])
-    assert (s.rollout.optim.lr, s.rollout.rollout_steps, s.budget.rollout) == (3e-5, 24, 0.2)
+    s = load_settings("talking", ["rollout.lr=3e-5", "rollout.rollout_steps=24", "budget.rollout=0.2",
+                                  "rollout.current=\"rollout\""])
+    assert (s.rollout.optim.lr, s.rollout.rollout_steps, s.budget.rollout, s.rollout.current) == (3e-5, 24, 0.2, "rollout")
     assert load_settings("talking").budget.rollout > 0 and load_settings("talking").rollout.rollout_steps == 48
-    with pytest.raises(Exception, match=r"rollout\.bogus: unknown setting"):
+    with pytest.raises(Exception, match=r"rollout\.bogus: unknown"):
         load_settings("talking", ["rollout.bogus=1"])
 
 

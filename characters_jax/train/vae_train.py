@@ -118,18 +118,20 @@ def vae_loss(vae: Vae, s: VaeSettings, params, video, mask, key, poses=None):
 
 
 def make_step(vae: Vae, s: VaeSettings, tx):
+    """step(state, (pool, key, fixed), lr): fixed holds the parts of the VAE's parameters that
+    are not trained ({} or e.g. {"encoder": ...}: then state.params holds the rest)."""
     cfg = vae.config
     h, w = cfg.video.height, cfg.video.width
 
     frames = s.chunks * cfg.video.frames_per_step
 
     def step(state: TrainState, batch, lr):
-        pool, key = batch
+        pool, key, fixed = batch
         k_faces, key = jax.random.split(key)
         identities, params = pool.sample(k_faces, s.batch, frames, s.still_fraction)
         video = render_video(identities, params, height=h, width=w)
         mask = jax.vmap(lambda i, p: mouth_mask(i, p, h, w))(identities, params)
-        (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, p, video, mask, key, params),
+        (_, metrics), grads = jax.value_and_grad(lambda p: vae_loss(vae, s, {**fixed, **p}, video, mask, key, params),
                                                  has_aux=True)(state.params)
         state, gnorm = apply_gradients(state, grads, lr, tx, s.optim.ema_decay)
         return state, {**metrics, "grad_norm": gnorm}
@@ -153,7 +155,7 @@ def train_vae(cfg: Config, s: VaeSettings, store: StageStore, budget_s: float, l
         pool = FacePool.make(np.random.default_rng([seed, 1]), s.pool_identities, s.pool_motions, s.pool_span,
                              cfg.video.fps)
         key = jax.random.key(seed)
-        state, record = run_stage("vae", state, make_step(vae, s, tx), lambda i: (pool, jax.random.fold_in(key, i)),
+        state, record = run_stage("vae", state, make_step(vae, s, tx), lambda i: (pool, jax.random.fold_in(key, i), {}),
                                   store=store, record=record, budget_s=budget_s, loop=s.loop, optim=s.optim,
                                   examples_per_step=s.batch, log=log)
     return vae, {k: state.ema[k] for k in ("decoder", "encoder")}, record
