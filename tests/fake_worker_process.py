@@ -37,8 +37,8 @@ def worker_server(args):
     from characters_jax.serving.worker import WorkerOptions
 
     limits = RpcLimits(first_request_timeout_s=args.first_request_timeout, reflection_idle_timeout_s=args.reflection_idle_timeout)
-    options = WorkerOptions(drain_timeout_s=args.drain_timeout)
-    worker = FakeWorker("tiny", options, limits=limits)
+    options = WorkerOptions(drain_timeout_s=args.drain_timeout, worker_id=args.worker_id)
+    worker = FakeWorker("tiny", options, port=args.port, limits=limits)
     table = worker.server.table
     held = []
 
@@ -83,6 +83,8 @@ def main() -> int:
     p.add_argument("--first-request-timeout", type=float, default=10.0)
     p.add_argument("--reflection-idle-timeout", type=float, default=30.0)
     p.add_argument("--drain-timeout", type=float, default=2.0)
+    p.add_argument("--port", type=int, default=0, help="the worker's port (0: any free port)")
+    p.add_argument("--worker-id", default="", help="the worker's Session.worker_id (default: host name:port)")
     args = p.parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

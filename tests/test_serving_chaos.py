@@ -1,0 +1,107 @@
+"""Chaos: the service where it meets the world, through tools/chaos.py's engine.
+
+1. Three worker processes (fake_worker_process.py: the real gRPC server, health, admission
+   and session code over the fake generator) behind the client library's balanced target (a
+   comma list: round_robin + health checks), 20 clients: whole clips, streams cancelled and
+   channels closed mid-stream or while waiting, damaged PNG and DDS images, odd audio byte
+   counts and wrong audio formats; threads opening and cancelling Health.Watch on fresh
+   channels; a SIGTERM to the worker of a live session (its session is cut CANCELLED,
+   DRAIN_TIMEOUT; nothing new lands there; it exits 0 and is started again on its port).
+2. One real `serve` worker (tiny config; started with the module, so it compiles while 1
+   runs) with a few clients, its supervised decoder process SIGKILLed under a live session:
+   that session fails UNAVAILABLE, the decoder is started again and the worker completes
+   clips afterwards.
+
+Every session ends as its kind expects with a documented code and a message (never UNKNOWN),
+within its deadline; every worker answers health within 1 s at the end; each worker's
+threads, open files and RSS end within chaos.Tolerance of their figures after a warm-up; no
+traceback in the workers' logs. The schedule (each client's sessions, the fault's time)
+derives from SEED, printed with the figures; the assertions are on outcomes, and the faults
+aim at the worker that holds an anchor session, so that they always cut a live session.
+"""
+
+import importlib.util
+import pathlib
+import random
+import sys
+
+import pytest
+from serving_stress import SCRIPT
+
+_spec = importlib.util.spec_from_file_location("chaos", pathlib.Path(__file__).parents[1] / "tools" / "chaos.py")
+chaos = importlib.util.module_from_spec(_spec)
+sys.modules["chaos"] = chaos
+_spec.loader.exec_module(chaos)
+
+SEED = 20261207
+DRAIN_TIMEOUT_S = 1.0
+
+
+def fake_worker_command(worker_id: str):
+    """fake_worker_process.py's command line for a chaos worker (port, state file) -> argv."""
+    def command(port: int, state_file: pathlib.Path) -> list[str]:
+        return [sys.executable, str(SCRIPT), "--servicer", "worker", "--state-file", str(state_file), "--port", str(port),
+                "--worker-id", worker_id, "--drain-timeout", f"{DRAIN_TIMEOUT_S:g}"]
+    return command
+
+
+def serve_worker_command(worker_id: str):
+    def command(port: int, state_file: pathlib.Path) -> list[str]:
+        return chaos.serve_command("tiny", port=port, state_file=state_file, worker_id=worker_id, drain_timeout_s=DRAIN_TIMEOUT_S)
+    return command
+
+
+@pytest.fixture(scope="module")
+def real_worker(tmp_path_factory):
+    """A real `serve` worker, started (not waited for) when the module starts."""
+    w = chaos.WorkerProcess("real", serve_worker_command("real"), tmp_path_factory.mktemp("real")).start(0)
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def fake_workers(tmp_path):
+    ws = [chaos.WorkerProcess(f"w{i}", fake_worker_command(f"w{i}"), tmp_path / f"w{i}") for i in range(3)]
+    try:
+        for w in ws:
+            w.start(0)
+        for w in ws:
+            w.wait_ready(120)
+        yield ws
+    finally:
+        for w in ws:
+            if w.proc is not None:
+                w.stop()
+
+
+def run(workers, options, faults):
+    report = chaos.ChaosRun(workers, options, faults, log=print).run()
+    chaos.print_report(report)
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert not failed, f"seed {SEED}: {failed}"
+    return report
+
+
+def test_balanced_workers_under_chaos(fake_workers, real_worker):
+    """(real_worker starts here, to compile while this test runs.)"""
+    options = chaos.ChaosOptions(clients=20, warmup_s=4.0, chaos_s=20.0, seed=SEED, churn_threads=4, open_timeout_s=60.0,
+                                 session_budget_s=30.0, restart_timeout_s=60.0, settle_s=1.0, settle_max_s=15.0)
+    faults = chaos.fault_schedule(random.Random(f"{SEED}/schedule"), options.chaos_s, ["drain"])
+    report = run(fake_workers, options, faults)
+    (drain,) = report["faults"]
+    assert drain["anchor"]["code"] == "CANCELLED" and drain["anchor"]["end_reason"] == "DRAIN_TIMEOUT"
+    assert drain["exit_code"] == 0 and drain["sessions_after_restart"] >= 1
+    kinds = report["by_kind"]
+    assert {"clip", "fast_clip", "cancel", "close", "bad_png", "bad_dds", "bad_format", "odd_audio"} <= set(kinds), kinds
+    assert report["health_watches"] > 0
+
+
+def test_decoder_sigkill_under_a_session(real_worker):
+    real_worker.wait_ready(300)
+    options = chaos.ChaosOptions(clients=4, warmup_s=3.0, chaos_s=8.0, seed=SEED, churn_threads=2, open_timeout_s=60.0,
+                                 session_budget_s=30.0, settle_s=1.0, settle_max_s=15.0)
+    faults = chaos.fault_schedule(random.Random(f"{SEED}/schedule"), options.chaos_s, ["decoder_kill"])
+    report = run([real_worker], options, faults)
+    (kill,) = report["faults"]
+    assert kill["anchor"]["code"] == "UNAVAILABLE" and "decoder" in kill["anchor"]["message"]
+    assert kill["decoder_restarts"] == 1 and kill["clips_completed_after"] >= 1
