@@ -47,8 +47,8 @@ demo-assets: $(STAMP)
 	$(PY) -m characters_jax.demo.assets
 
 bench-tiny: $(STAMP)
-	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --cache-mode ring --steps 50
-	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --cache-mode launch --steps 50
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --set cache.mode=ring --steps 50
+	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --set cache.mode=launch --steps 50
 
 clean:
 	rm -rf $(VENV) out build *.egg-info characters_jax/protos_gen

@@ -121,7 +121,7 @@ def worker(args) -> int:
 # ---- the generator (main process) -----------------------------------------------------------
 
 def main(argv=None) -> int:
-    from characters_jax.config import add_engine_arguments
+    from characters_jax.config.arguments import add_set_argument
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="characters-57b")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20, help="timed steps per phase")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chunks", type=int, default=20, help="decoder chunks timed alone")
-    add_engine_arguments(p)
+    add_set_argument(p)
     p.add_argument("--decoder-mem-fraction", default="0.06", help="XLA_PYTHON_CLIENT_MEM_FRACTION of the worker")
     p.add_argument("--json", default=None, help="output (default $OUT/decoder_overlap.json)")
     p.add_argument("--worker-dir", default=None, help=argparse.SUPPRESS)
@@ -165,10 +165,10 @@ def _drive(a, d: pathlib.Path, proc) -> dict:
     import jax
     import numpy as np
 
-    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.config import load_config
     from characters_jax.engine.generator import DiTGenerator
 
-    cfg = with_engine_arguments(load_config(a.config), a)
+    cfg = load_config(a.config, a.set)
     gen = DiTGenerator(cfg, tp=a.tp)
     engine = gen.engine
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """The benchmarks as named suites: ``python3 benchmarks/run.py SUITE [options] [-- ARGS]``.
 
   step      the step of ``--config`` at ``--tp`` (``characters-jax bench``), its engine as
-            the config's [engine] table says (or the engine flags given here)
+            the config's [engine] and [cache] tables say (with the ``--set`` items given here)
   share     one GPU's share of tp = N (``--tp N``, default 4): the config cut to
             num_heads / N and mlp_dim / N (the residual width, norms, modulation and cache
             rows as at tp = N; written to the results directory), its step run at tp = 1:
@@ -25,10 +25,11 @@ run that would start with less than 30 s left is skipped), its output in ``logs/
 and its results in the results directory (``--out``; default ``$OUT/SUITE`` or
 ``out/bench/SUITE``; nothing is written into the source tree). The suite's table is printed
 last. Arguments after ``--`` go to every run of the suite (the bench, the numerics command,
-the benchmark scripts or torch_step). ``--trees`` runs step and share from other checkouts
-too (e.g. ``--trees . ../base .`` for an A/B/A comparison of two versions in one call;
-each runs its own ``characters_jax`` and its own copy of the config, with the flags that
-every version takes).
+the benchmark scripts or torch_step). ``--set TABLE.KEY=VALUE`` (repeatable) goes to every
+bench and numerics run (``--set engine.attention=cudnn``, ``--set cache.mode=launch``).
+``--trees`` runs step and share from other checkouts too (e.g. ``--trees . ../base .`` for
+an A/B/A comparison of two versions in one call; each runs its own ``characters_jax`` and
+its own copy of the config, with the same command line: versions that take ``--set``).
 
     python3 benchmarks/run.py step --config characters-57b --tp 1
     python3 benchmarks/run.py share --tp 4 --profile
@@ -57,23 +58,18 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 MIN_LEFT_S = 30  # a run with less left than this is skipped
 
-# (name, what it adds, bench flags); the flags set every engine option, so that each row
-# differs from the one before in one thing (at tp = 1, where 'fused' is left out, the
-# reduction method has no effect).
+# (name, what it adds, (cache.mode, engine.attention, engine.reduce, engine.kernels)): every
+# engine option is set, so that each row differs from the one before in one thing (at tp = 1,
+# where 'fused' is left out, the reduction method has no effect).
 ABLATION = (
-    ("launch", "launch cache, cuDNN attention, XLA GEMMs, psum",
-     ("--cache-mode", "launch", "--attention", "cudnn", "--reduce", "psum", "--kernels", "none")),
-    ("ring", "+ ring cache",
-     ("--cache-mode", "ring", "--attention", "cudnn", "--reduce", "psum", "--kernels", "none")),
-    ("attention", "+ Pallas FP8 attention",
-     ("--cache-mode", "ring", "--attention", "pallas", "--reduce", "psum", "--kernels", "none")),
-    ("gemm", "+ stacked GEMM kernel",
-     ("--cache-mode", "ring", "--attention", "pallas", "--reduce", "psum", "--kernels", "gemm")),
-    ("fused", "+ fused GEMM + all-reduce",
-     ("--cache-mode", "ring", "--attention", "pallas", "--reduce", "pallas", "--kernels", "gemm")),
-    ("all", "+ quantization and qkv kernels: what 'auto' runs on Hopper",
-     ("--cache-mode", "ring", "--attention", "pallas", "--reduce", "pallas", "--kernels", "auto")),
+    ("launch", "launch cache, cuDNN attention, XLA GEMMs, psum", ("launch", "cudnn", "psum", "none")),
+    ("ring", "+ ring cache", ("ring", "cudnn", "psum", "none")),
+    ("attention", "+ Pallas FP8 attention", ("ring", "pallas", "psum", "none")),
+    ("gemm", "+ stacked GEMM kernel", ("ring", "pallas", "psum", "gemm")),
+    ("fused", "+ fused GEMM + all-reduce", ("ring", "pallas", "pallas", "gemm")),
+    ("all", "+ quantization and qkv kernels: what 'auto' runs on Hopper", ("ring", "pallas", "pallas", "auto")),
 )
+ABLATION_KEYS = ("cache.mode", "engine.attention", "engine.reduce", "engine.kernels")
 NUMERICS_VARIANTS = ("ring-fp8", "fp8-attention", "qkv-kernel", "stacked-gemm-row", "quant-kernels",
                      "fused-reduce", "ppermute", "production")
 MULTI_GPU_VARIANTS = ("fused-reduce", "ppermute")
@@ -203,22 +199,20 @@ def gpu_count() -> int:
 
 # ---------------------------------------------------------------------------------- suites
 
-def engine_flags(a) -> tuple[str, ...]:
-    """The engine flags given to the runner, as bench flags."""
-    out = []
-    for flag in ("attention", "reduce", "kernels", "cache_mode", "cache_dtype"):
-        value = getattr(a, flag)
-        if value is not None:
-            out += ["--" + flag.replace("_", "-"), value]
-    return tuple(out)
+def set_flags(items) -> tuple[str, ...]:
+    """`--set` items as command-line arguments."""
+    return tuple(arg for item in items for arg in ("--set", item))
 
 
-def bench_job(a, name: str, config: pathlib.Path, tp: int, tree: pathlib.Path, flags=()) -> Job:
+def bench_job(a, name: str, config: pathlib.Path, tp: int, tree: pathlib.Path, sets=()) -> Job:
+    """A bench run: the runner's --set items, then `sets` (the later wins)."""
     out = a.out / f"{name}.json"
-    argv = [sys.executable, "-m", "characters_jax.cli", "bench", "--config", str(config), "--tp", str(tp),
-            "--steps", str(a.steps), "--warmup", str(a.warmup), "--progress", "10", "--json", str(out), *flags]
+    items = [f"bench.warmup={a.warmup}", "bench.progress=10", *a.set, *sets]
     if a.profile:
-        argv += ["--profile", str(a.out / "traces" / name), "--profile-steps", "2", "--profile-without-command-buffers"]
+        items += [f"bench.profile_dir={a.out / 'traces' / name}", "bench.profile_steps=2",
+                  "bench.profile_without_command_buffers=true"]
+    argv = [sys.executable, "-m", "characters_jax.cli", "bench", "--config", str(config), "--tp", str(tp),
+            "--steps", str(a.steps), "--json", str(out), *set_flags(items)]
     return Job(name, tuple(argv + a.extra), a.timeout or 300, tree, out)
 
 
@@ -231,7 +225,7 @@ def trees_of(a) -> list[tuple[str, pathlib.Path]]:
 
 def suite_step(a, runner: Runner) -> None:
     for tag, tree in trees_of(a):
-        runner.run(bench_job(a, f"step_tp{a.tp}{tag}", config_path(a.config, tree), a.tp, tree, engine_flags(a)))
+        runner.run(bench_job(a, f"step_tp{a.tp}{tag}", config_path(a.config, tree), a.tp, tree))
 
 
 def suite_share(a, runner: Runner) -> None:
@@ -239,15 +233,15 @@ def suite_share(a, runner: Runner) -> None:
     for tag, tree in trees_of(a):
         dst = a.out / f"share_tp{n}{tag}.toml"
         share_config(config_path(a.config, tree), n, dst)
-        runner.run(bench_job(a, f"share_tp{n}{tag}", dst, 1, tree, engine_flags(a)))
+        runner.run(bench_job(a, f"share_tp{n}{tag}", dst, 1, tree))
 
 
 def suite_ablation(a, runner: Runner) -> None:
     cfg = config_path(a.config, ROOT)
-    for name, _, flags in ABLATION:
+    for name, _, values in ABLATION:
         if name == "fused" and a.tp == 1:
             continue  # no reduction at tp = 1
-        runner.run(bench_job(a, f"ablation_{name}", cfg, a.tp, ROOT, flags))
+        runner.run(bench_job(a, f"ablation_{name}", cfg, a.tp, ROOT, [f"{k}={v}" for k, v in zip(ABLATION_KEYS, values)]))
     plot = ROOT / "tools" / "plot_breakdown.py"
     results = [str(o.job.result) for o in runner.outcomes if o.rc == 0 and o.job.result]
     if a.profile and plot.exists() and results:
@@ -279,7 +273,7 @@ def suite_numerics(a, runner: Runner) -> None:
             "--tp", str(a.tp), "--blocks", "4", "--steps", "20", "--runs", "4", "--decoder", "small",
             "--variants", ",".join(variants), "--time-budget", str(int(timeout * 0.75)),
             "--json", str(a.out / "numerics.json"), "--plot", str(a.out / "numerics.png"),
-            "--table", str(a.out / "numerics.md"), *engine_flags(a)]
+            "--table", str(a.out / "numerics.md"), *set_flags(a.set)]
     runner.run(Job("numerics", tuple(argv + a.extra), timeout, result=a.out / "numerics.json"))
 
 
@@ -412,9 +406,9 @@ def parse_args(argv):
     p.add_argument("--smoke", action="store_true", help="kernels: the scripts' CPU checks (small shapes)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     sys.path.insert(0, str(ROOT))
-    from characters_jax.config import add_engine_arguments
+    from characters_jax.config.arguments import add_set_argument
 
-    add_engine_arguments(p)
+    add_set_argument(p)
     a = p.parse_args(argv)
     a.extra = extra
     a.tp = a.tp or DEFAULT_TP.get(a.suite, 1)
@@ -424,10 +418,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    from characters_jax.config import ConfigError, load_config, with_engine_arguments
+    from characters_jax.config import ConfigError, load_config
 
-    try:  # a bad engine flag or config fails here, before any run starts
-        with_engine_arguments(load_config(str(config_path(a.config, ROOT))), a).validate_tp(a.tp)
+    try:  # a bad --set item or config fails here, before any run starts
+        load_config(str(config_path(a.config, ROOT)), a.set).validate_tp(a.tp)
     except (ConfigError, OSError) as e:
         print(f"run.py {a.suite}: {e}", file=sys.stderr)
         return 2

@@ -53,11 +53,11 @@ def restore_params(path: str | pathlib.Path, engine) -> nnx.State:
 
 
 def _init_checkpoint(args) -> int:
-    from characters_jax.config import load_config
+    from characters_jax.config.arguments import config_from_args
     from characters_jax.model.params import abstract_model, count_params, init_state, param_partition_specs
     from characters_jax.parallel.sharding import ShardingRules, make_mesh, named_shardings
 
-    cfg = load_config(args.config)
+    cfg = config_from_args(args)
     cfg.validate_tp(args.tp)
     out = pathlib.Path(args.out)
     if out.exists():
@@ -68,7 +68,7 @@ def _init_checkpoint(args) -> int:
     init = jax.jit(functools.partial(init_state, cfg.model), out_shardings=shardings)
     print(f"{cfg.name}: {count_params(cfg.model) / 1e9:.2f}B parameters, tp={args.tp}, initialising on {jax.default_backend()} ...", flush=True)
     t0 = time.perf_counter()
-    params = init(jax.random.key(args.seed))
+    params = init(jax.random.key(cfg.seed))
     jax.block_until_ready(params)
     t1 = time.perf_counter()
     print(f"initialised in {t1 - t0:.1f} s; writing {out} ...", flush=True)
@@ -78,9 +78,11 @@ def _init_checkpoint(args) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("init-checkpoint", help="create random weights sharded on the devices and save them")
-    p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
+    from characters_jax.config.arguments import add_config_arguments
+
+    p = sub.add_parser("init-checkpoint", help="create random weights (of the config's seed: --set seed=N) sharded on the "
+                                               "devices and save them")
+    add_config_arguments(p, default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
-    p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_init_checkpoint)

@@ -47,7 +47,7 @@ class Worker:
         self.state_file = tmp / "worker.json"
         self.log_path = tmp / "worker.log"
         self.log = open(self.log_path, "w")
-        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", config, "--port", "0", "--metrics-port", "0",
+        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", config, "--port", "0", "--set", "serve.metrics_port=0",
                 "--state-file", str(self.state_file), *args]
         self.proc = subprocess.Popen(argv, env=env if env is not None else child_env(1), stdout=self.log, stderr=subprocess.STDOUT)
         self._t0, self.ready_timeout = time.monotonic(), ready_timeout

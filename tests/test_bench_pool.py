@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
         return original(*args, **kwargs)
 
     placement.size_generator_pool = checked
-    rc = main(["bench", "--config", "tiny", "--steps", "2", "--warmup", "1", "--quiet", "--json", sys.argv[1]])
+    rc = main(["bench", "--config", "tiny", "--steps", "2", "--set", "bench.warmup=1", "--set", "bench.quiet=true", "--json", sys.argv[1]])
     print("CALLS", calls)
     sys.exit(rc)
 """)

@@ -39,17 +39,18 @@ def _bench_parser():
 
 
 def test_ablation_runs_parse_and_change_one_option_each(tmp_path, capsys):
-    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.config.arguments import config_from_args
 
     assert run.main(["ablation", "--tp", "2", "--dry-run", "--out", str(tmp_path)]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[ablation_")]
     assert [ln.split("]")[0][1:] for ln in lines] == [f"ablation_{n}" for n, _, _ in run.ABLATION]
-    parser, cfg = _bench_parser(), load_config("characters-57b")
+    parser = _bench_parser()
     engines = []
     for ln in lines:
         argv = ln.split(" ", 3)[3].split()
         args = parser.parse_args(argv[argv.index("bench"):])
-        c = with_engine_arguments(cfg, args)
+        c = config_from_args(args)
+        assert c.bench.warmup == 3 and c.bench.progress == 10
         engines.append((c.cache.mode, c.engine.attention, c.engine.reduce, c.engine.kernels))
     for before, after in zip(engines, engines[1:]):
         assert sum(a != b for a, b in zip(before, after)) == 1, (before, after)
@@ -73,7 +74,8 @@ def test_torch_suite_skips_with_a_reason(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["step", "--reduce", "bogus"], "engine.reduce"),
+    (["step", "--set", "engine.reduce=bogus"], "engine.reduce"),
+    (["step", "--set", "bench.warmups=1"], "bench.warmups: unknown key"),
     (["share", "--tp", "5"], "not divisible by the tensor-parallel size 5"),
     (["step", "--config", "no-such-config"], "no-such-config"),
 ])

@@ -26,7 +26,7 @@ def bench_results(tmp_path_factory):
     out = {}
     for mode in ("ring", "launch"):
         path = tmp_path_factory.mktemp("bench") / f"{mode}.json"
-        proc = cli("bench", "--config", "tiny", "--tp", "4", "--cache-mode", mode, "--steps", "50", "--json", str(path))
+        proc = cli("bench", "--config", "tiny", "--tp", "4", "--set", f"cache.mode={mode}", "--steps", "50", "--json", str(path))
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "cache upkeep" in proc.stdout and "p99" in proc.stdout
         out[mode] = json.loads(path.read_text())
@@ -56,18 +56,18 @@ def test_bench_rejects_bad_arguments():
     # A Pallas attention kernel asked for by name where it cannot run (tiny: head_dim 16,
     # no Hopper GPU here), and unknown names: a message naming the option and its values,
     # no traceback, before any parameter is initialised.
-    proc = cli("bench", "--config", "tiny", "--attention", "pallas", "--steps", "1")
+    proc = cli("bench", "--config", "tiny", "--set", "engine.attention=pallas", "--steps", "1")
     assert proc.returncode == 2 and "head_dim 128" in proc.stderr and "Traceback" not in proc.stderr
-    for flag, value, field, allowed in (("--attention", "flash", "engine.attention", "cudnn"),
-                                        ("--reduce", "nccl", "engine.reduce", "ppermute")):
-        proc = cli("bench", "--config", "tiny", flag, value, "--steps", "1")
+    for key, value, field, allowed in (("engine.attention", "flash", "engine.attention", "cudnn"),
+                                       ("engine.reduce", "nccl", "engine.reduce", "ppermute")):
+        proc = cli("bench", "--config", "tiny", "--set", f"{key}={value}", "--steps", "1")
         assert proc.returncode == 2 and field in proc.stderr and repr(value) in proc.stderr, proc.stderr
         assert allowed in proc.stderr and "Traceback" not in proc.stderr and "[bench]" not in proc.stderr
 
 
 def test_init_checkpoint_then_restore_at_another_tp(tmp_path):
     out = tmp_path / "ckpt"
-    proc = cli("init-checkpoint", "--config", "tiny", "--tp", "4", "--out", str(out), "--seed", "7")
+    proc = cli("init-checkpoint", "--config", "tiny", "--tp", "4", "--out", str(out), "--set", "seed=7")
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = cli("init-checkpoint", "--config", "tiny", "--tp", "4", "--out", str(out))
     assert proc.returncode == 2 and "already exists" in proc.stdout

@@ -78,25 +78,17 @@ def test_invalid_engine_table_names_the_field(tmp_path, table, field):
 
 
 def test_engine_table_and_its_overrides():
-    """The bundled configs carry an [engine] table; the command line's flags override it
-    and the cache's mode and dtype, and a bad value names its field."""
-    import argparse
-
-    from characters_jax.config import add_engine_arguments, with_engine_arguments
-
+    """The bundled configs carry an [engine] table; `--set` items override it and the cache's
+    mode and dtype, and a bad value names its field."""
     cfg = load_config("tiny")
     assert (cfg.engine.attention, cfg.engine.reduce, cfg.engine.kernels) == ("auto", "auto", "auto")
     assert cfg.engine.kernel_set() is None
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    args = parser.parse_args(["--reduce", "ppermute", "--kernels", "gemm+qkv", "--cache-mode", "launch"])
-    out = with_engine_arguments(cfg, args)
+    out = load_config("tiny", ["engine.reduce=ppermute", "engine.kernels=gemm+qkv", "cache.mode=launch"])
     assert (out.engine.reduce, out.engine.kernel_set(), out.cache.mode) == (
         "ppermute", frozenset({"gemm", "qkv"}), "launch")
     assert out.engine.attention == "auto" and out.cache.dtype == cfg.cache.dtype
-    assert with_engine_arguments(cfg, parser.parse_args([])) == cfg
+    assert load_config("tiny", []) == cfg
     with pytest.raises(ConfigError, match="cache.dtype"):
-        with_engine_arguments(cfg, parser.parse_args(["--cache-dtype", "int4"]))
+        load_config("tiny", ["cache.dtype=int4"])
     with pytest.raises(ConfigError, match="engine.kernels"):
-        with_engine_arguments(cfg, parser.parse_args(["--kernels", "all"]))
-
+        load_config("tiny", ["engine.kernels=all"])

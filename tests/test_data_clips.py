@@ -87,9 +87,9 @@ def test_splits_are_disjoint(voice):
 def test_shards_round_trip_and_do_not_depend_on_the_workers(tmp_path, capsys):
     """The API with one worker and the `data` command with two write the same bytes."""
     one = write_shards(tmp_path / "one", "train", 3, SPEC, seed=SEED, workers=1, shard_size=2, progress=False)
-    code = cli_main(["data", "--split", "train", "--clips", "3", "--seconds", str(SPEC.seconds), "--height",
-                     str(SPEC.height), "--width", str(SPEC.width), "--out", str(tmp_path / "two"), "--workers", "2",
-                     "--shard-size", "2", "--seed", str(SEED), "--quiet"])
+    code = cli_main(["data", "--split", "train", "--clips", "3", "--out", str(tmp_path / "two"),
+                     *(a for kv in (f"seconds={SPEC.seconds}", f"height={SPEC.height}", f"width={SPEC.width}", "workers=2",
+                                    "shard_size=2", f"seed={SEED}", "quiet=true") for a in ("--set", f"data.{kv}"))])
     assert code == 0 and "wrote 3 clips" in capsys.readouterr().out
     assert [s["clips"] for s in one["shards"]] == [2, 1]
     for s in one["shards"]:
@@ -110,10 +110,12 @@ def test_shards_round_trip_and_do_not_depend_on_the_workers(tmp_path, capsys):
 
 
 def test_the_data_command_rejects_bad_arguments(tmp_path, capsys):
-    assert cli_main(["data", "--clips", "2", "--seconds", "-1", "--out", str(tmp_path)]) == 2
-    assert "seconds must be positive" in capsys.readouterr().err
-    assert cli_main(["data", "--seconds", "1"]) == 2
-    assert "--clips and --out are required" in capsys.readouterr().err
+    assert cli_main(["data", "--clips", "2", "--set", "data.seconds=-1", "--out", str(tmp_path)]) == 2
+    assert "data: seconds must be positive" in capsys.readouterr().err
+    assert cli_main(["data", "--set", "data.seconds=1"]) == 2
+    assert "--out is required" in capsys.readouterr().err
+    assert cli_main(["data", "--set", "data.second=1", "--out", str(tmp_path)]) == 2
+    assert "data.second: unknown key" in capsys.readouterr().err
 
 
 def test_demo_assets(tmp_path):

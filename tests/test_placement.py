@@ -187,7 +187,7 @@ def test_serve_refuses_a_plan_that_cannot_fit_within_seconds(tmp_path, kind, n, 
     env.pop("CUDA_VISIBLE_DEVICES", None)
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "characters_jax.cli", "serve", "--config", "characters-57b", "--port", "0",
-                        "--metrics-port", "-1", *args], env=env, capture_output=True, text=True, timeout=120)
+                        "--set", "serve.metrics_port=-1", *args], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode == 2, r.stderr[-2000:]
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -201,7 +201,7 @@ def test_serve_on_a_cpu_host_without_the_memory_is_refused_within_seconds():
     env = child_env(1, {"JAX_PLATFORMS": "cpu"})
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "characters_jax.cli", "serve", "--config", "characters-57b", "--tp", "8",
-                        "--port", "0", "--metrics-port", "-1"], env=env, capture_output=True, text=True, timeout=120)
+                        "--port", "0", "--set", "serve.metrics_port=-1"], env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     assert r.returncode == 2, r.stderr[-2000:]
     assert "of host memory" in r.stderr and "configs that fit this host" in r.stderr, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The profiler breakdown: `characters-jax bench --profile` on CPU devices, and the classifier
+"""The profiler breakdown: `characters-jax bench --set bench.profile_dir=DIR` on CPU devices, and the classifier
 on synthetic HLO / GPU kernel names (what the GPU trace carries)."""
 
 import argparse
@@ -16,8 +16,8 @@ def bench_result(tmp_path_factory):
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers())
     args = parser.parse_args([
-        "bench", "--config", "tiny", "--tp", "2", "--steps", "2", "--warmup", "1", "--upkeep-steps-per-call", "1",
-        "--profile", str(out / "trace"), "--profile-steps", "2", "--quiet",
+        "bench", "--config", "tiny", "--tp", "2", "--steps", "2", "--set", "bench.warmup=1", "--set", "bench.upkeep_steps_per_call=1",
+        "--set", f"bench.profile_dir={out / 'trace'}", "--set", "bench.profile_steps=2", "--set", "bench.quiet=true",
     ])
     return bench.run_bench(args), out
 

@@ -4,8 +4,8 @@ and decoder (demo/fakes.py), and the decoder link kept on this machine.
 Every certificate is made here, in a temporary directory (a CA, the workers' certificate for
 localhost and 127.0.0.1, a client certificate, an expired one, one from a foreign CA); no
 key or certificate is in the repository. The workers run with
-tls.worker_transport, the code behind `serve --tls-cert/--tls-key/--tls-client-ca
---auth-tokens`; clients use the library's ClientCredentials, loaded from the TOML file that
+tls.worker_transport, the code behind the [serve] table's tls_cert, tls_key, tls_client_ca
+and auth_tokens; clients use the library's ClientCredentials, loaded from the TOML file that
 `talk` and `view` take.
 """
 
@@ -180,8 +180,8 @@ def test_talk_passes_its_credentials_file(pki, worker, tmp_path, capsys):
 
     def talk(credentials):
         args = argparse.Namespace(server=worker.address, image=str(tmp_path / "face.png"), audio=str(tmp_path / "speech.wav"),
-                                  out=str(tmp_path / "out.mp4"), prompt="", seed=0, fast=True, max_duration=None, idle_timeout=None,
-                                  open_timeout=10.0, wait_for_worker=False, report=None, credentials=credentials)
+                                  out=str(tmp_path / "out.mp4"), prompt="", report=None, credentials=credentials,
+                                  set=["talk.fast=true", "talk.open_timeout_s=10"])
         return talk_command(args)
 
     assert talk(pki.credentials_file()) == 0 and (tmp_path / "out.mp4").stat().st_size > 0
@@ -307,8 +307,8 @@ def test_six_clients_on_three_workers_over_tls_with_tokens(pki):
 
 # -- configuration ------------------------------------------------------------------------------
 def test_the_flags_and_files_are_checked(pki, tmp_path):
-    for args, needle in (((pki.server_cert, None), "give both"), ((None, None, pki.ca), "--tls-client-ca: needs TLS"),
-                         ((None, None, None, str(pki.tokens)), "--auth-tokens: needs TLS"),
+    for args, needle in (((pki.server_cert, None), "give both"), ((None, None, pki.ca), "serve.tls_client_ca: needs TLS"),
+                         ((None, None, None, str(pki.tokens)), "serve.auth_tokens: needs TLS"),
                          ((pki.server_cert, pki.client_key), "key values mismatch"),
                          ((pki.expired_cert, pki.expired_key), "expired at"),
                          ((pki.server_cert, pki.server_key, None, str(tmp_path / "none")), "cannot read")):
@@ -353,11 +353,11 @@ def test_the_decoder_link_refuses_addresses_off_this_machine(tmp_path):
             require_loopback(bad)
     runs = {
         "decode-serve": ["decode-serve", "--config", "tiny", "--listen", "0.0.0.0:0"],
-        "serve": ["serve", "--config", "tiny", "--decoder", "10.1.2.3:50052", "--port", "0", "--metrics-port", "-1"],
+        "serve": ["serve", "--config", "tiny", "--set", "serve.decoder=10.1.2.3:50052", "--port", "0", "--set", "serve.metrics_port=-1"],
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "characters_jax.cli", *argv], env=child_env(1), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for name, argv in runs.items()}
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=120)
-        flag = "--listen '0.0.0.0:0'" if name == "decode-serve" else "--decoder '10.1.2.3:50052'"
+        flag = "--listen '0.0.0.0:0'" if name == "decode-serve" else "serve.decoder '10.1.2.3:50052'"
         assert proc.returncode == 2 and f"characters-jax {name}: {flag}: the decoder link has no TLS" in err, (name, proc.returncode, err[-2000:])

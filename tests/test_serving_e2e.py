@@ -36,7 +36,7 @@ LEAD = 3
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = Worker(tmp_path_factory.mktemp("worker"), args=("--drain-timeout", "1"))
+    w = Worker(tmp_path_factory.mktemp("worker"), args=("--set", "serve.drain_timeout_s=1"))
     yield w
     w.stop()
 
@@ -200,7 +200,7 @@ def test_talk_command(worker, tmp_path):
     (tmp_path / "face.png").write_bytes(png())
     write_wav(tmp_path / "ok.wav", speech(0.5))
     write_wav(tmp_path / "bad.wav", speech(0.5), sample_rate=44100)
-    base = [sys.executable, "-m", "characters_jax.cli", "talk", "--server", worker.address, "--image", str(tmp_path / "face.png"), "--fast"]
+    base = [sys.executable, "-m", "characters_jax.cli", "talk", "--server", worker.address, "--image", str(tmp_path / "face.png"), "--set", "talk.fast=true"]
     bad = subprocess.run(base + ["--audio", str(tmp_path / "bad.wav"), "--out", str(tmp_path / "bad.mp4")], capture_output=True, text=True, timeout=120, env=child_env(1))
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "44100" in bad.stderr
     worker.wait_idle(timeout=2)  # talk closed the session the worker refused to stream

@@ -217,7 +217,7 @@ def test_serve_binds_metrics_to_its_host_and_reports_decoder_restarts(tmp_path):
     state_file, log_path = tmp_path / "worker.json", tmp_path / "worker.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "characters_jax.cli", "serve", "--config", "tiny", "--host", "127.0.0.2", "--port", "0",
-                                 "--metrics-port", "0", "--drain-timeout", "1", "--state-file", str(state_file)],
+                                 "--set", "serve.metrics_port=0", "--set", "serve.drain_timeout_s=1", "--state-file", str(state_file)],
                                 env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
     try:
         poll(lambda: proc.poll() is None and state_file.exists() and "startup_s" in state_file.read_text(), timeout=300, every=0.1)

@@ -23,7 +23,7 @@ from serving_harness import Recorder, Worker, png, poll, speech
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     def start(i, wait):
-        return Worker(tmp_path_factory.mktemp(f"w{i}"), args=("--drain-timeout", "30", "--worker-id", f"w{i}"), wait=wait)
+        return Worker(tmp_path_factory.mktemp(f"w{i}"), args=("--set", "serve.drain_timeout_s=30", "--set", f"serve.worker_id=w{i}"), wait=wait)
 
     ws = [start(0, True)]
     ws += [start(i, False) for i in (1, 2)]

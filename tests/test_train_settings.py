@@ -20,10 +20,10 @@ def test_overrides_reach_nested_settings():
 
 
 @pytest.mark.parametrize("override, match", [
-    ("dit.bogus=1", r"dit\.bogus: unknown setting"),
+    ("dit.bogus=1", r"dit\.bogus: unknown key"),
     ("vae.batch=\"big\"", r"vae\.batch: expected int"),
-    ("nosuch.key=1", r"nosuch: unknown setting or table"),
-    ("dit.batch", r"expected section\.key=value"),
+    ("nosuch.key=1", r"nosuch: unknown table or key"),
+    ("dit.batch", r"expected TABLE\.KEY=VALUE"),
 ])
 def test_bad_settings_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -809,6 +809,7 @@ class ChaosRun:
         if fault.kind == "decoder_kill":  # the worker recovers: it completes a clip
             self._wait_for(lambda: any(o.worker == out.worker and o.kind in ("clip", "fast_clip") and o.as_expected and o.opened > report["hit"]
                                        for o in self.outcomes), self.options.open_timeout_s)
+            report["decoder_restarts"] = int(worker.state().get("decoder_restarts", 0)) - report["decoder_restarts_before"]
         else:
             rc = worker.wait(self.options.restart_timeout_s)
             report["exit_code"] = rc
@@ -886,6 +887,11 @@ class ChaosRun:
             key = o.code if o.code != "OK" else f"OK/{o.state or '-'}"
             by_code[key] = by_code.get(key, 0) + 1
             by_kind.setdefault(o.kind, {})[key] = by_kind.setdefault(o.kind, {}).get(key, 0) + 1
+        messages: dict[str, dict[str, int]] = {}  # code -> message (ids and numbers masked) -> sessions
+        for o in everything:
+            if o.code != "OK":
+                text = re.sub(r"\b[0-9a-f]{32}\b", "<id>", o.message)[:160]
+                messages.setdefault(o.code, {})[text] = messages.setdefault(o.code, {}).get(text, 0) + 1
         unclear = [o.summary() for o in everything if not o.clear]
         unexpected = [o.summary() for o in everything if o.clear and not o.as_expected]
         hung = [o.summary() for o in everything if o.hung]
@@ -906,10 +912,7 @@ class ChaosRun:
                 a["sessions_after_restart"] = len(after)
                 check(f"{name}: sessions opened on the worker after its restart", after)
             if a["fault"] == "decoder_kill" and "hit" in a:
-                w = self.by_id[a["worker"]]
-                restarts = int(w.state().get("decoder_restarts", 0)) - a["decoder_restarts_before"]
-                a["decoder_restarts"] = restarts
-                check(f"{name}: the decoder was started again", restarts >= 1, restarts)
+                check(f"{name}: the decoder was started again", a["decoder_restarts"] >= 1, a["decoder_restarts"])
                 after = [o for o in self.outcomes if o.worker == a["worker"] and o.kind in ("clip", "fast_clip") and o.as_expected and o.opened > a["hit"]]
                 a["clips_completed_after"] = len(after)
                 check(f"{name}: the worker completed a clip after it", after)
@@ -935,16 +938,22 @@ class ChaosRun:
 
         logs = {}
         for name, w in self.by_id.items():
-            errors = {k: v for k, v in w.metrics().items() if k.startswith("characters_rpc_errors_total") and ('code="UNKNOWN"' in k or 'code="INTERNAL"' in k)}
+            metrics = w.metrics()
+            errors = {k: v for k, v in metrics.items() if k.startswith("characters_rpc_errors_total") and ('code="UNKNOWN"' in k or 'code="INTERNAL"' in k)}
             logs[name] = {"tracebacks": w.tracebacks(), "unknown_or_internal": errors}
             check(f"{name}: no traceback in its log, no UNKNOWN or INTERNAL counted", not logs[name]["tracebacks"] and not errors, logs[name])
+            if metrics:  # a real worker: nothing left admitted or live once every client has gone
+                held = {k: v for k, v in metrics.items() if v and re.match(
+                    r'characters_rpc_admitted|characters_rpc_pool_busy|characters_sessions\{state="(NOT_READY|READY|RUNNING)"\}', k)}
+                logs[name]["held_at_end"] = held
+                check(f"{name}: no RPC admitted, no pool thread busy, no live session at the end", not held, held)
 
         firsts = [o.first_chunk - o.opened for o in chaos if o.first_chunk is not None and o.opened is not None]
         waits = [o.opened - o.asked for o in chaos if o.opened is not None]
         report = {
             "seed": self.options.seed, "workers": len(self.workers), "clients": self.options.clients, "tls": self.tls is not None,
             "warmup_sessions": warm, "chaos_s": round(chaos_wall, 1), "sessions": len(chaos), "by_code": by_code, "by_kind": by_kind,
-            "first_chunk_s": _percentiles(firsts), "wait_for_worker_s": _percentiles(waits), "health_watches": self.watches,
+            "messages": messages, "first_chunk_s": _percentiles(firsts), "wait_for_worker_s": _percentiles(waits), "health_watches": self.watches,
             "health_watch_errors": self.watch_errors, "faults": [{k: v for k, v in a.items() if k not in ("hit", "exited", "restarted")} for a in self.anchors],
             "health_at_end_ms": health, "resources": resources, "tolerance": dataclasses.asdict(self.options.tolerance), "logs": logs,
             "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks], "ok": all(ok for _, ok, _ in checks),
@@ -966,6 +975,9 @@ def print_report(report: dict, out=sys.stdout) -> None:
     p(f"  by code: {json.dumps(report['by_code'], sort_keys=True)}")
     for kind, codes in sorted(report["by_kind"].items()):
         p(f"    {kind}: {json.dumps(codes, sort_keys=True)}")
+    for code, texts in sorted(report["messages"].items()):
+        for text, n in sorted(texts.items(), key=lambda kv: -kv[1])[:6]:
+            p(f"    {code} x{n}: {text!r}")
     p(f"  first chunk after the Session: {report['first_chunk_s']}; wait for a worker: {report['wait_for_worker_s']}")
     p(f"  health watches opened and cancelled: {report['health_watches']} (errors {report['health_watch_errors']})")
     for f in report["faults"]:

@@ -1,6 +1,6 @@
 """Stacked bars of the step's device-time breakdown, one bar per bench variant.
 
-Reads `characters-jax bench --profile ... --json FILE` results (those with a "breakdown") and
+Reads `characters-jax bench --set bench.profile_dir=DIR ... --json FILE` results (those with a "breakdown") and
 draws, per variant, the components' kernel time per step (cache upkeep, attention, GEMMs,
 fused GEMM + all-reduce, collectives, other) stacked, a diamond at the device-busy time
 (union of kernels: below the stack when the NCCL stream overlaps compute), a bar-wide tick at the

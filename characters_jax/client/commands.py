@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from characters_jax.config.arguments import add_set_argument
+
 CREDENTIALS_HELP = ("TLS and a bearer token for the workers: a TOML file with ca, cert, key, token_file, server_name "
                     "(paths relative to it; all optional); without it the connection is plaintext")
 
@@ -24,14 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--audio", required=True, help="WAV, 16 kHz mono s16le")
     p.add_argument("--out", required=True, help="MP4 to write")
     p.add_argument("--prompt", default="")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="also write the summary as JSON here")
-    p.add_argument("--fast", action="store_true", help="send the audio at once (bounded ahead of the video) instead of at real-time pace")
-    p.add_argument("--max-duration", type=float, default=None, help="ask for a shorter max_duration than the worker's, seconds")
-    p.add_argument("--idle-timeout", type=float, default=None, help="ask for a shorter idle_timeout than the worker's, seconds")
-    p.add_argument("--open-timeout", type=float, default=300.0, help="seconds to wait for an idle worker to take the session")
-    p.add_argument("--wait-for-worker", action="store_true",
-                   help="retry a refused session (busy: RESOURCE_EXHAUSTED, draining: UNAVAILABLE) until --open-timeout; "
-                        "on by default for a list or DNS target; use it for one address that is a balancing proxy (Envoy)")
     p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP)
+    add_set_argument(p, "talk (seed, fast, max_duration_s, idle_timeout_s, open_timeout_s, wait_for_worker: "
+                        "client.talk.TalkOptions)")
     p.set_defaults(func=_talk)

@@ -6,7 +6,7 @@ small TOML file, paths relative to it, every key optional:
     ca = "ca.pem"                     # the CA of the workers' certificates (default: the system's roots)
     cert = "client.pem"               # a client certificate and its key, for workers that require one
     key = "client.key"
-    token_file = "token"              # a bearer token (one line, '#' comments), for workers run with --auth-tokens
+    token_file = "token"              # a bearer token (one line, '#' comments), for workers run with serve.auth_tokens
     server_name = "workers.example"   # the name to verify in the workers' certificates, if not the target's
 
 A credentials file means TLS. `ClientCredentials` is what the library takes; a client

@@ -3,11 +3,13 @@ to an MP4 with a summary.
 
 The session opens on its own Converse stream (so a balanced target works: the first idle
 worker takes it), the WAV plays as one speech segment from the first frame, and the session
-ends once it has played.
+ends once it has played. Its options (`TalkOptions`) are the `talk` table of
+`--set talk.KEY=VALUE`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -24,15 +26,35 @@ from characters_jax.protos_gen import characters_pb2 as pb
 _ENC = {"s16le": pb.AudioFormat.PCM_S16LE}
 
 
-def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "", seed: int = 0, realtime: bool = True, progress=sys.stderr,
-             limits: pb.SessionLimits | None = None, open_timeout: float = 300.0, wait_for_worker: bool | None = None,
-             credentials: ClientCredentials | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class TalkOptions:
+    """A session of `talk` (the `talk` table: `--set talk.fast=true`)."""
+
+    seed: int = 0  # the session's seed (0: the worker draws one)
+    fast: bool = False  # send the audio at once (bounded ahead of the video) instead of at real-time pace
+    max_duration_s: float = 0.0  # ask for a shorter max_duration than the worker's (0: the worker's)
+    idle_timeout_s: float = 0.0  # ask for a shorter idle_timeout than the worker's (0: the worker's)
+    open_timeout_s: float = 300.0  # seconds to wait for an idle worker to take the session
+    # retry a refused session (busy: RESOURCE_EXHAUSTED, draining: UNAVAILABLE) until open_timeout_s;
+    # on for a list or DNS target whatever this says; for one address that is a balancing proxy (Envoy)
+    wait_for_worker: bool = False
+
+    def __post_init__(self):
+        for name in ("max_duration_s", "idle_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: the worker's), got {getattr(self, name)}")
+        if not self.open_timeout_s > 0:
+            raise ValueError(f"open_timeout_s: must be > 0, got {self.open_timeout_s}")
+
+
+def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "", options: TalkOptions = TalkOptions(),
+             progress=sys.stderr, credentials: ClientCredentials | None = None) -> dict:
     """Runs a session and writes `out_path`. Returns the summary dict. Raises grpc.RpcError.
-    wait_for_worker: retry a refused session until open_timeout (default: for a balanced target).
     credentials: TLS and a bearer token (None: plaintext)."""
     image = pathlib.Path(image_path).read_bytes()
     samples, fmt = read_wav(str(audio_path))
-    with CharacterClient(target, reopen=wait_for_worker, credentials=credentials) as client:
+    limits = pb.SessionLimits(max_duration_s=options.max_duration_s, idle_timeout_s=options.idle_timeout_s)
+    with CharacterClient(target, reopen=options.wait_for_worker or None, credentials=credentials) as client:
         t0 = time.monotonic()
         opened = {}
 
@@ -42,9 +64,10 @@ def run_talk(target: str, image_path, audio_path, out_path, *, prompt: str = "",
             if progress and (n % 24 == 0):
                 print(f"  {n / 24:5.1f} s of video  step {c.step_index:4d}  diffusion {c.diffusion_ms:6.1f} ms  decode {c.decode_ms:6.1f} ms", file=progress, flush=True)
 
-        result = client.converse(None, samples.tobytes(), image=image, prompt=prompt, seed=seed, limits=limits, realtime=realtime,
+        result = client.converse(None, samples.tobytes(), image=image, prompt=prompt, seed=options.seed, limits=limits,
+                                 realtime=not options.fast,
                                  sample_rate=fmt.sample_rate_hz, channels=fmt.channels, encoding=_ENC.get(fmt.encoding, pb.AudioFormat.ENCODING_UNSPECIFIED),
-                                 on_chunk=on_chunk, open_timeout=open_timeout)
+                                 on_chunk=on_chunk, open_timeout=options.open_timeout_s)
     session = result.session
     fps = session.fps
     frames = result.frames
@@ -68,11 +91,13 @@ def print_summary(summary: dict, file=sys.stdout) -> None:
 
 
 def talk_command(args) -> int:
-    limits = pb.SessionLimits(max_duration_s=args.max_duration or 0, idle_timeout_s=args.idle_timeout or 0)
+    from characters_jax.config.loader import with_sets
+
     try:
+        options = with_sets(TalkOptions(), "talk", args.set)
         credentials = load_client_credentials(args.credentials) if args.credentials else None
-        summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, seed=args.seed, realtime=not args.fast,
-                           limits=limits, open_timeout=args.open_timeout, wait_for_worker=args.wait_for_worker or None, credentials=credentials)
+        summary = run_talk(args.server, args.image, args.audio, args.out, prompt=args.prompt, options=options,
+                           credentials=credentials)
     except grpc.RpcError as err:
         print(f"characters-jax talk: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

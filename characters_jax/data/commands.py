@@ -4,29 +4,35 @@ from __future__ import annotations
 
 import sys
 
+from characters_jax.config.arguments import add_set_argument
+
 
 def _data(args) -> int:
-    from characters_jax.data.clips import ClipSpec, write_demo_assets
-    from characters_jax.data.shards import write_shards
+    from characters_jax.config.loader import with_sets
+    from characters_jax.data.clips import write_demo_assets
+    from characters_jax.data.shards import DataOptions, write_shards
     from characters_jax.data.speech import EspeakError
 
     try:
-        spec = ClipSpec(seconds=args.seconds, height=args.height, width=args.width)
+        o = with_sets(DataOptions(), "data", args.set)
+        spec = o.clip
     except ValueError as err:
         print(f"characters-jax data: {err}", file=sys.stderr)
         return 2
     try:
-        if args.demo_out:
-            png, wav = write_demo_assets(args.demo_out, index=args.first_index, seed=args.seed, spec=spec,
-                                         split=args.split)
+        if args.out is None:
+            print("characters-jax data: --out is required", file=sys.stderr)
+            return 2
+        if o.demo:
+            png, wav = write_demo_assets(args.out, index=o.first_index, seed=o.seed, spec=spec, split=args.split)
             print(f"wrote {png} and {wav}")
             return 0
-        if args.clips is None or args.out is None:
-            print("characters-jax data: --clips and --out are required (or --demo-out)", file=sys.stderr)
+        if args.clips is None:
+            print("characters-jax data: --clips is required (or --set data.demo=true)", file=sys.stderr)
             return 2
-        manifest = write_shards(args.out, args.split, args.clips, spec, seed=args.seed, workers=args.workers,
-                                shard_size=args.shard_size, first_index=args.first_index,
-                                render_batch=args.render_batch, progress=not args.quiet)
+        manifest = write_shards(args.out, args.split, args.clips, spec, seed=o.seed, workers=o.workers or None,
+                                shard_size=o.shard_size, first_index=o.first_index,
+                                render_batch=o.render_batch, progress=not o.quiet)
     except (EspeakError, ValueError, OSError) as err:
         print(f"characters-jax data: {err}", file=sys.stderr)
         return 1
@@ -41,16 +47,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("data", help="synthetic talking-face clips (espeak-ng speech, cartoon faces) into npz shards")
     p.add_argument("--split", choices=SPLITS, default="train")
     p.add_argument("--clips", type=int, default=None, help="number of clips")
-    p.add_argument("--seconds", type=float, default=4.0, help="clip length (rounded up to whole 4-frame chunks)")
-    p.add_argument("--height", type=int, default=64)
-    p.add_argument("--width", type=int, default=96)
     p.add_argument("--out", default=None, help="output directory (manifest.json + shard-NNNNN.npz)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--first-index", type=int, default=0, help="index of the first clip in its split")
-    p.add_argument("--workers", type=int, default=None, help="planning processes (default: cores - 1, at most 16)")
-    p.add_argument("--shard-size", type=int, default=64, help="clips per shard")
-    p.add_argument("--render-batch", type=int, default=8, help="clips rendered per call of the jax renderer")
-    p.add_argument("--demo-out", default=None,
-                   help="instead of shards: write clip --first-index's portrait (PNG) and speech (WAV) here")
-    p.add_argument("--quiet", action="store_true", help="no progress line")
+    add_set_argument(p, "data (seconds, height, width, seed, first_index, workers, shard_size, render_batch, quiet; "
+                        "demo: instead of shards, clip first_index's portrait (PNG) and speech (WAV))")
     p.set_defaults(func=_data)

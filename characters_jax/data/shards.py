@@ -90,6 +90,21 @@ def _write_shard(path: pathlib.Path, clips: list[Clip]) -> None:
     os.replace(tmp, path)
 
 
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    """How `data` renders and writes its clips (the `data` table: `--set data.seconds=8`); the
+    clip's size (seconds, height, width, fps, ...) is ClipSpec's."""
+
+    clip: ClipSpec = ClipSpec()
+    seed: int = 0
+    first_index: int = 0  # index of the first clip in its split (with demo: the clip written)
+    workers: int = 0  # planning processes (0: cores - 1, at most 16)
+    shard_size: int = 64  # clips per shard
+    render_batch: int = 8  # clips rendered per call of the jax renderer
+    quiet: bool = False  # no progress line
+    demo: bool = False  # instead of shards: clip first_index's portrait (PNG) and speech (WAV) into the output directory
+
+
 def default_workers() -> int:
     """Worker processes for the plans: the cores less one for rendering and writing, at most 16."""
     return max(1, min(16, (os.cpu_count() or 2) - 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from characters_jax.config.arguments import add_config_arguments
+
 
 def _decode_serve(args) -> int:
     from characters_jax.decoder.process import run_decoder
@@ -13,10 +15,9 @@ def _decode_serve(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("decode-serve", help="run the decoder process (DecoderService over gRPC)")
-    p.add_argument("--config", default="small")
+    add_config_arguments(p, default="small")
     p.add_argument("--listen", default="127.0.0.1:50052", help="host:port or unix:PATH")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random VAE weights")
-    p.add_argument("--checkpoint", default="auto", help="weights directory of the VAE (as serve's --checkpoint)")
+    p.add_argument("--checkpoint", default="auto", help="weights directory of the VAE (as serve's --checkpoint; random weights of the config's seed without)")
     p.add_argument("--state-file", default=None)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_decode_serve)

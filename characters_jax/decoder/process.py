@@ -22,16 +22,16 @@ def run_decoder(args) -> int:
     except ValueError as err:
         print(f"characters-jax decode-serve: {err}", file=sys.stderr)
         return 2
-    from characters_jax.config import load_config
+    from characters_jax.config.arguments import config_from_args
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.service import start_decoder_server
     from characters_jax.decoder.weights import WeightsError, checkpoint_path
 
     stop = stop_on_signals()
-    cfg = load_config(args.config)
+    cfg = config_from_args(args)
     t0 = time.perf_counter()
     try:
-        rt = VaeRuntime(cfg, seed=args.seed, checkpoint=checkpoint_path(args.checkpoint, cfg.name))  # checked there
+        rt = VaeRuntime(cfg, seed=cfg.seed, checkpoint=checkpoint_path(args.checkpoint, cfg.name))  # checked there
     except (WeightsError, FileNotFoundError) as err:
         print(f"characters-jax decode-serve: --checkpoint: {err}", file=sys.stderr)
         return 2

@@ -26,11 +26,12 @@ def demo_command(args) -> int:
     from characters_jax.audio.pcm import read_wav
     from characters_jax.audio.timeline import Timeline
     from characters_jax.client.mp4 import probe_mp4
-    from characters_jax.client.talk import print_summary, run_talk
-    from characters_jax.config import engine_argv, load_config, with_engine_arguments
+    from characters_jax.client.talk import TalkOptions, print_summary, run_talk
+    from characters_jax.config.arguments import config_from_args, set_argv
     from characters_jax.decoder.weights import checkpoint_path, demo_clip
 
-    cfg = with_engine_arguments(load_config(args.config), args)
+    cfg = config_from_args(args)
+    startup_timeout_s = cfg.serve.startup_timeout_s
     # the worker checks the weights against the config (a wrong one: it exits 2, its log says
     # why); this process starts no JAX backend while the worker holds the device
     checkpoint = checkpoint_path(args.checkpoint, cfg.name)
@@ -50,7 +51,8 @@ def demo_command(args) -> int:
     print(f"demo: config {cfg.name}, {weights}; {image.name} + {audio.name}; worker log -> {log_path}", flush=True)
     with tempfile.TemporaryDirectory(prefix="characters-demo-") as tmp:
         state_file = pathlib.Path(tmp) / "worker.json"
-        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--state-file", str(state_file), "--checkpoint", checkpoint or "none", *engine_argv(args)]
+        argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", args.config, "--host", "127.0.0.1", "--port", "0", "--state-file", str(state_file), "--checkpoint", checkpoint or "none",
+                "--set", "serve.metrics_port=0", *set_argv(args.set)]
         with open(log_path, "w") as log:
             worker = subprocess.Popen(argv, env=child_env(1), stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -61,14 +63,15 @@ def demo_command(args) -> int:
                         print(f"demo: the worker exited with code {worker.returncode}: {lines[-1] if lines else ''}; "
                               f"see {log_path}", file=sys.stderr)
                         return 1
-                    if time.monotonic() - t0 > args.startup_timeout:
-                        print(f"demo: the worker was not ready after {args.startup_timeout} s; see {log_path}", file=sys.stderr)
+                    if time.monotonic() - t0 > startup_timeout_s:
+                        print(f"demo: the worker was not ready after {startup_timeout_s:g} s (serve.startup_timeout_s); "
+                              f"see {log_path}", file=sys.stderr)
                         return 1
                     time.sleep(0.2)
                 state = json.loads(state_file.read_text())
                 ready_s = time.monotonic() - t0
                 print(f"demo: worker ready in {ready_s:.1f} s on port {state['port']} (metrics on {state['metrics_port']}); streaming {audio.name} at real-time pace", flush=True)
-                summary = run_talk(f"127.0.0.1:{state['port']}", image, audio, mp4, prompt=args.prompt, seed=1)
+                summary = run_talk(f"127.0.0.1:{state['port']}", image, audio, mp4, prompt=args.prompt, options=TalkOptions(seed=1))
             finally:
                 terminate(worker)
     samples, fmt = read_wav(str(audio))

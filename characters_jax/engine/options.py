@@ -3,8 +3,8 @@ resolve for a config on this backend.
 
 ``resolve_engine(cfg)`` turns 'auto' into what runs here and checks that what is asked for
 by name can run, with a ConfigError that names the option and what is missing (at
-construction, before any parameter is initialised). The command line's overrides of the
-table are ``config.add_engine_arguments`` / ``config.with_engine_arguments``.
+construction, before any parameter is initialised). The command line sets the table's keys
+with ``--set engine.KEY=VALUE`` (``config.loader``).
 """
 
 from __future__ import annotations

@@ -7,9 +7,27 @@ import json
 import shlex
 import sys
 
+from characters_jax.config.arguments import add_set_argument
 
 # kind: (steps, conv widths) of the shipped weights
-DEFAULTS = {"mouth": (6000, "24,32,48,64"), "identity": (3000, "16,24,32,48")}
+DEFAULTS = {"mouth": (6000, (24, 32, 48, 64)), "identity": (3000, (16, 24, 32, 48))}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateSpec:
+    """`lipsync evaluate`'s held-out set (the `evaluate` table)."""
+
+    clips: int = 24
+    identities: int = 24  # held-out identities in the identification test
+    seconds: float = 8.0
+    height: int = 64
+    width: int = 96
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("clips", "identities"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name}: must be at least 2, got {getattr(self, name)}")
 
 
 def _train_probe(args) -> int:
@@ -21,11 +39,16 @@ def _train_probe(args) -> int:
         print(f"characters-jax lipsync train-probe: {err} (pip install -e '.[train]')", file=sys.stderr)
         return 2
 
-    steps, widths = DEFAULTS[args.kind]
-    spec = TrainSpec(kind=args.kind, steps=args.steps or steps, batch=args.batch, pool=args.pool, seed=args.seed,
-                     lr=args.lr, widths=tuple(int(w) for w in (args.widths or widths).split(",")))
+    from characters_jax.config.loader import with_sets
+
+    kind = with_sets(TrainSpec(), "probe", args.set).kind  # the kind picks the other keys' defaults
+    if kind not in DEFAULTS:
+        print(f"characters-jax lipsync train-probe: probe.kind: must be one of {tuple(DEFAULTS)}, got {kind!r}", file=sys.stderr)
+        return 2
+    steps, widths = DEFAULTS[kind]
+    spec = with_sets(TrainSpec(kind=kind, steps=steps, widths=widths), "probe", args.set)
     probe, meta = train_probe(spec)
-    out = args.out or default_path(args.kind)
+    out = args.out or default_path(spec.kind)
     command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     probe = dataclasses.replace(probe, cfg=dataclasses.replace(probe.cfg, meta={**probe.cfg.meta, "command": command}))
     probe.save(out)
@@ -35,9 +58,10 @@ def _train_probe(args) -> int:
 
 
 def _train_features(args) -> int:
+    from characters_jax.config.loader import with_sets
     from characters_jax.lipsync.feature_net import FeatureSpec, default_path, train_features
 
-    spec = FeatureSpec(steps=args.steps, batch=args.batch, pool=args.pool, seed=args.seed, lr=args.lr)
+    spec = with_sets(FeatureSpec(), "features", args.set)
     net, meta = train_features(spec)
     out = args.out or default_path()
     command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
@@ -49,12 +73,12 @@ def _train_features(args) -> int:
 
 
 def _fidelity(args) -> int:
+    from characters_jax.config.loader import with_sets
     from characters_jax.data.speech import EspeakError
     from characters_jax.decoder.weights import WeightsError
     from characters_jax.lipsync.fidelity_eval import ValidationSettings, markdown, validate_measure
 
-    settings = ValidationSettings(weights=args.weights, clips=args.clips, seconds=args.seconds, seed=args.seed,
-                                  demo=not args.no_demo, random_weights=not args.no_random)
+    settings = with_sets(ValidationSettings(), "fidelity", args.set)  # a bad key: exit code 2
     try:
         result = validate_measure(settings)
     except (EspeakError, WeightsError, ValueError, FileNotFoundError) as err:
@@ -68,15 +92,17 @@ def _fidelity(args) -> int:
 
 
 def _evaluate(args) -> int:
+    from characters_jax.config.loader import with_sets
     from characters_jax.data.speech import EspeakError
     from characters_jax.lipsync.evaluate import evaluate
 
-    if args.clips < 2 or args.identities < 2:
-        print("characters-jax lipsync evaluate: --clips and --identities must be at least 2", file=sys.stderr)
+    try:
+        spec = with_sets(EvaluateSpec(), "evaluate", args.set)
+    except ValueError as err:
+        print(f"characters-jax lipsync evaluate: {err}", file=sys.stderr)
         return 2
     try:
-        result = evaluate(clips=args.clips, seconds=args.seconds, height=args.height, width=args.width,
-                          seed=args.seed, identities=args.identities)
+        result = evaluate(**dataclasses.asdict(spec))
     except (EspeakError, ValueError, FileNotFoundError) as err:
         print(f"characters-jax lipsync evaluate: {err}", file=sys.stderr)
         return 1
@@ -106,46 +132,29 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="lipsync_command", metavar="ACTION", required=True)
 
     t = sub.add_parser("train-probe", help="train the mouth or identity probe on rendered faces (no espeak)")
-    t.add_argument("--kind", choices=("mouth", "identity"), default="mouth")
-    t.add_argument("--steps", type=int, default=None, help="default: 6000 (mouth), 3000 (identity)")
-    t.add_argument("--batch", type=int, default=64)
-    t.add_argument("--pool", type=int, default=8192, help="rendered frames the batches are drawn from")
-    t.add_argument("--lr", type=float, default=2e-3)
-    t.add_argument("--widths", default=None,
-                   help="conv channels, comma-separated (default: 24,32,48,64 mouth, 16,24,32,48 identity)")
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None, help="weights file (default: the shipped characters_jax/lipsync/weights/)")
+    add_set_argument(t, "probe (lipsync.train.TrainSpec: kind (mouth | identity), steps (default 6000 mouth, 3000 identity), batch, pool "
+                        "(rendered frames the batches are drawn from), lr, weight_decay, seed, validation, widths "
+                        "(conv channels; default [24, 32, 48, 64] mouth, [16, 24, 32, 48] identity), frame_sizes)")
     t.set_defaults(func=_train_probe)
 
     e = sub.add_parser("evaluate", help="the probes and the score on held-out clips (espeak-ng speech)")
-    e.add_argument("--clips", type=int, default=24)
-    e.add_argument("--identities", type=int, default=24, help="held-out identities in the identification test")
-    e.add_argument("--seconds", type=float, default=8.0)
-    e.add_argument("--height", type=int, default=64)
-    e.add_argument("--width", type=int, default=96)
-    e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", default=None, help="also write the result here")
+    add_set_argument(e, "evaluate (clips, identities, seconds, height, width, seed)")
     e.set_defaults(func=_evaluate)
 
     f = sub.add_parser("train-features", help="train the fidelity measure's feature network on rendered faces (no espeak)")
-    f.add_argument("--steps", type=int, default=3000)
-    f.add_argument("--batch", type=int, default=64)
-    f.add_argument("--pool", type=int, default=8192, help="rendered frames the batches are drawn from")
-    f.add_argument("--lr", type=float, default=2e-3)
-    f.add_argument("--seed", type=int, default=0)
     f.add_argument("--out", default=None, help="weights file (default: the shipped characters_jax/lipsync/weights/)")
+    add_set_argument(f, "features (lipsync.feature_net.FeatureSpec: steps, batch, pool, lr, weight_decay, seed, "
+                        "quality_p, widths, frame_sizes, validation)")
     f.set_defaults(func=_train_features)
 
     v = sub.add_parser("fidelity", help="the fidelity measure's figures: ground truth, the VAE, planted faults, "
                                         "a weights directory's frames (espeak-ng speech)")
-    v.add_argument("--weights", default="auto",
-                   help="weights directory ('auto': the bundled talking weights; 'none': no VAE or generated rows)")
-    v.add_argument("--clips", type=int, default=4, help="held-out clips")
-    v.add_argument("--seconds", type=float, default=8.0)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--no-demo", action="store_true", help="leave out the weights' demo clip")
-    v.add_argument("--no-random", action="store_true", help="leave out the random-weights row")
     v.add_argument("--json", default=None, help="also write the result here")
+    add_set_argument(v, "fidelity (weights: a weights directory, 'auto': the bundled talking weights, 'none': no VAE "
+                        "or generated rows; config, clips: held-out clips, seconds, seed, demo: the weights' demo clip "
+                        "too, random_weights: the random-weights row)")
     v.set_defaults(func=_fidelity)
 
     s = sub.add_parser("score", help="lip sync of a data directory's frames against its mouth tracks")

@@ -77,7 +77,7 @@ def random_session_inputs(cfg, engine, seed: int):
 def run_bench(args) -> dict:
     import jax
 
-    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.config.arguments import config_from_args
     from characters_jax.engine.generator import DiTGenerator, compile_programs
     from characters_jax.engine.options import resolve_engine
     from characters_jax.engine.step import Engine
@@ -87,13 +87,14 @@ def run_bench(args) -> dict:
     from characters_jax.device_memory import device_memory
     from characters_jax.serving.placement import check_measured, memory_plan_line, pool_bytes, size_generator_pool
 
-    cfg = with_engine_arguments(load_config(args.config), args)
+    cfg = config_from_args(args)
+    b = cfg.bench
     cfg.validate_tp(args.tp)
     # Before the backend starts (resolving the engine's options reads the backend): the GPU
     # pool from the plan (PlacementError if it cannot fit).
     placement = size_generator_pool(cfg, args.tp)
     options = resolve_engine(cfg)  # a bad option fails here, before any parameter exists
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not args.quiet else (lambda *a: None)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if not b.quiet else (lambda *a: None)
     log(f"[bench] {cfg.name}: {count_params(cfg.model) / 1e9:.3f}B params, tp={args.tp}, "
         f"mode={cfg.cache.mode}, cache={cfg.cache.dtype}, attention={options.attention}, "
         f"reduce={options.reduce}, kernels={options.kernels}, backend={jax.default_backend()}")
@@ -101,7 +102,7 @@ def run_bench(args) -> dict:
     # The step and the session's prefill compiled before any weight exists (XLA's autotuning
     # then has the whole pool), their memory measured and checked against the pool.
     engine = Engine(cfg, make_mesh(args.tp))
-    image, prompt, audio = random_session_inputs(cfg, engine, args.seed)
+    image, prompt, audio = random_session_inputs(cfg, engine, cfg.seed)
     programs = compile_programs(engine, buckets=(engine.prompt_bucket(len(prompt)),),
                                 random_weights=not args.checkpoint, workers=1)
     compile_s = programs.compile_s["step"]
@@ -118,14 +119,14 @@ def run_bench(args) -> dict:
         memory = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes") if hasattr(mem, k)}
 
     t0 = time.perf_counter()
-    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=args.seed, programs=programs)
+    gen = DiTGenerator(cfg, tp=args.tp, checkpoint=args.checkpoint, seed=cfg.seed, programs=programs)
     jax.block_until_ready((gen.params, gen.state))
     init_s = time.perf_counter() - t0
     log(f"[bench] params and state on devices in {init_s:.1f} s")
     step_exe = programs.step
 
-    gen.start_session(image, prompt, seed=args.seed)
-    total = args.warmup + args.steps
+    gen.start_session(image, prompt, seed=cfg.seed)
+    total = b.warmup + args.steps
     resets = reset_steps(total, cfg.cache.ring_frames, cfg.cache.reset_period)
     state = gen.state
     times, reset_times = [], []
@@ -134,36 +135,36 @@ def run_bench(args) -> dict:
         state, latent = step_exe(gen.params, state, audio)
         latent.block_until_ready()
         dt = (time.perf_counter() - t0) * 1e3
-        if s >= args.warmup:
+        if s >= b.warmup:
             (reset_times if s in resets else times).append(dt)
-        if args.progress and (s + 1) % args.progress == 0:
+        if b.progress and (s + 1) % b.progress == 0:
             log(f"[bench] step {s + 1}/{total}: {dt:.2f} ms")
     finite = bool(np.isfinite(np.asarray(latent)).all())
     gen.state = state
 
     # Cache operations alone, same shapes, same process.
     new_kv = upkeep_inputs(engine)
-    per_call = max(1, args.upkeep_steps_per_call)
+    per_call = b.upkeep_steps_per_call
     up_exe = cache_upkeep(engine, per_call).lower(gen.params, state, new_kv).compile()
     up_times = []
-    for s in range(args.warmup + max(5, args.steps // per_call)):
+    for s in range(b.warmup + max(5, args.steps // per_call)):
         t0 = time.perf_counter()
         state, checksum = up_exe(gen.params, state, new_kv)
         checksum.block_until_ready()
-        if s >= args.warmup:
+        if s >= b.warmup:
             up_times.append((time.perf_counter() - t0) * 1e3 / per_call)
     gen.state = state
 
     breakdown = None
-    if getattr(args, "profile", None):
+    if b.profile_dir:
         prof_exe = step_exe
-        if getattr(args, "profile_without_command_buffers", False):
+        if b.profile_without_command_buffers:
             t0 = time.perf_counter()
             prof_exe = engine.step.lower(gen.params, gen.state, audio).compile(
                 compiler_options={"xla_gpu_enable_command_buffer": ""})
             log(f"[bench] step compiled without command buffers for the profile in {time.perf_counter() - t0:.1f} s")
-        breakdown = _profile(args, prof_exe, gen, audio, log)
-        if getattr(args, "profile_without_command_buffers", False) and "error" not in breakdown:
+        breakdown = _profile(b, prof_exe, gen, audio, log)
+        if b.profile_without_command_buffers and "error" not in breakdown:
             breakdown["note"] = breakdown.get("note", "") + "; traced with XLA command buffers off"
 
     step_ms = percentiles(times)
@@ -187,7 +188,7 @@ def run_bench(args) -> dict:
         "init_s": init_s,
         "compile_s": compile_s,
         "steps": args.steps,
-        "warmup": args.warmup,
+        "warmup": b.warmup,
         "step_ms": step_ms,
         "reset_step_ms": reset_times,
         "fps": cfg.video.frames_per_step / p50_s,
@@ -209,16 +210,17 @@ def run_bench(args) -> dict:
     return result
 
 
-def _profile(args, step_exe, gen, audio, log) -> dict:
-    """Traces `--profile-steps` steps into `--profile DIR` and returns their component breakdown
-    (see `characters_jax.measure.profile`); on failure, {"error": ...} so that the timing stands."""
+def _profile(b, step_exe, gen, audio, log) -> dict:
+    """Traces bench.profile_steps steps into bench.profile_dir (`b`: the [bench] table) and
+    returns their component breakdown (see `characters_jax.measure.profile`); on failure,
+    {"error": ...} so that the timing stands."""
     from characters_jax.measure.profile import profile_steps
 
     try:
-        state, breakdown = profile_steps(step_exe, gen.params, gen.state, audio, steps=max(1, args.profile_steps), logdir=args.profile)
+        state, breakdown = profile_steps(step_exe, gen.params, gen.state, audio, steps=b.profile_steps, logdir=b.profile_dir)
         gen.state = state
-        (pathlib.Path(args.profile) / "breakdown.json").write_text(json.dumps(breakdown, indent=2))
-        log(f"[bench] profiled {breakdown['steps']} steps into {args.profile}")
+        (pathlib.Path(b.profile_dir) / "breakdown.json").write_text(json.dumps(breakdown, indent=2))
+        log(f"[bench] profiled {breakdown['steps']} steps into {b.profile_dir}")
         return breakdown
     except Exception as e:  # the profiler is optional: keep the timing results
         log(f"[bench] profile failed: {type(e).__name__}: {e}")
@@ -270,23 +272,15 @@ def _bench(args) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from characters_jax.config import add_engine_arguments
+    from characters_jax.config.arguments import add_config_arguments
 
-    p = sub.add_parser("bench", help="time the step: percentiles, reset step, fps, cache-upkeep share")
-    p.add_argument("--config", required=True, help="config name (configs/NAME.toml) or path")
+    p = sub.add_parser("bench", help="time the step: percentiles, reset step, fps, cache-upkeep share",
+                       description="Times the step of --config at --tp with the engine its [engine] and [cache] tables "
+                                   "pick (--set engine.attention=cudnn, --set cache.mode=launch, ...); the [bench] table "
+                                   "holds the rest (warmup, progress, quiet, profile_dir, ...).")
+    add_config_arguments(p, default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices)")
-    add_engine_arguments(p)
-    p.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights if omitted)")
-    p.add_argument("--upkeep-steps-per-call", type=int, default=8, help="steps of cache operations per timed call")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=50, help="timed steps (after bench.warmup)")
+    p.add_argument("--checkpoint", default=None, help="orbax checkpoint directory (random weights of the config's seed if omitted)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
-    p.add_argument("--progress", type=int, default=0, help="log every N steps (0: off)")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace a few steps into DIR and add their component breakdown")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps traced with --profile")
-    p.add_argument("--profile-without-command-buffers", action="store_true",
-                   help="trace a second compile of the step with XLA command buffers off: inside command buffers the "
-                        "GPU trace names Pallas (Mosaic) kernels MemcpyD2D, so their time falls under 'other'")
     p.set_defaults(func=_bench)

@@ -483,7 +483,7 @@ def profile_steps(step_exe, params, state, audio, *, steps: int, logdir: str | p
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="component breakdown of a saved step trace")
-    p.add_argument("trace_dir", help="a --profile directory (holds the trace and step_hlo.txt)")
+    p.add_argument("trace_dir", help="a bench.profile_dir directory (holds the trace and step_hlo.txt)")
     p.add_argument("--steps", type=int, default=None, help="steps in the trace (default: from breakdown.json, else 1)")
     p.add_argument("--json", default=None, help="write the breakdown here")
     a = p.parse_args(argv)

@@ -37,12 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--variants", default=None,
                    help="comma-separated: ring-bf16, ring-fp8, fp8-attention, qkv-kernel, fp8-gemm, fp8-gemm-row, stacked-gemm, "
                         "stacked-gemm-row, quant-kernels, fused-reduce, ppermute, production (the config's cache and [engine], "
-                        "with the flags below); lipsync also NAME@tpN (another tp size). Default latent: "
+                        "with --set applied); lipsync also NAME@tpN (another tp size). Default latent: "
                         "ring-bf16,ring-fp8,fp8-attention,fp8-gemm,fused-reduce,ppermute; lipsync: every variant, "
                         "ppermute@tp2 and production@tp2")
-    from characters_jax.config import add_engine_arguments
+    from characters_jax.config.arguments import add_set_argument
 
-    add_engine_arguments(p)
+    add_set_argument(p)
     p.add_argument("--runs", type=int, default=4, help="reference runs: the base run plus R-1 perturbed ones")
     g = p.add_argument_group("lipsync metric")
     g.add_argument("--clips", type=int, default=51, help="held-out clips per run")
@@ -88,7 +88,6 @@ def _main(args) -> int:
         # command import does); the flag does nothing on other backends.
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(args.tp, 4)}".strip()
     from characters_jax.config import load_config
-    from characters_jax.config import with_engine_arguments
     from characters_jax.numerics import report as rep
     from characters_jax.numerics.harness import Settings, run
     from characters_jax.numerics.runs import VARIANTS
@@ -99,7 +98,7 @@ def _main(args) -> int:
     if unknown:
         print(f"characters-jax numerics: unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    config = with_engine_arguments(load_config(args.config), args)  # a bad option fails here
+    config = load_config(args.config, args.set)  # a bad key or value fails here
     settings = Settings(config=config, tp=args.tp, steps=args.steps, runs=args.runs, variants=variants,
                         blocks=args.blocks, dtype=args.dtype, ref_cache_dtype=args.ref_cache_dtype,
                         factor=args.factor, floor=args.floor, decoder=args.decoder, seed=args.seed,

@@ -21,7 +21,7 @@ def _error(msg: str) -> int:
 
 def settings_from_args(args):
     """GateSettings from the parsed arguments (ValueError / ConfigError for bad ones)."""
-    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.config import load_config
     from characters_jax.numerics.lipsync_gate import DEFAULT_VARIANTS, GateSettings
 
     if not args.checkpoint:
@@ -29,7 +29,7 @@ def settings_from_args(args):
                          "e.g. checkpoints/talking)")
     if args.blocks:
         raise ValueError("--blocks changes the model's depth: the trained weights cannot run at another depth")
-    config = with_engine_arguments(load_config(args.config), args)
+    config = load_config(args.config, args.set)
     variants = (tuple(v.strip() for v in args.variants.split(",") if v.strip()) if args.variants
                 else DEFAULT_VARIANTS)
     perturb = tuple(k.strip() for k in args.perturb.split(",") if k.strip()) if args.perturb else None

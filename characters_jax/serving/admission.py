@@ -9,31 +9,14 @@ never admitted or refused here.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import grpc
 
+from characters_jax.config import RpcLimits  # the [serve] table's RPC limits
 from characters_jax.serving.rpc_handlers import WatchedResponses, behavior_of, with_behavior
 
-
-@dataclasses.dataclass(frozen=True)
-class RpcLimits:
-    max_character_rpcs: int = 16  # concurrent CharacterService RPCs (Converse streams included)
-    max_reflection_streams: int = 4  # concurrent server-reflection streams
-    first_request_timeout_s: float = 10.0  # a Converse stream's first request (`start`) must come within this
-    reflection_idle_timeout_s: float = 30.0  # a reflection stream with no request this long is ended
-    spare_threads: int = 4  # threads of a limited pool beyond its limit (refusals run there)
-    health_threads: int = 4  # the health service's own pool
-    liveness_timeout_s: float = 1.0  # deadline of /healthz's health Check over loopback
-
-    def __post_init__(self):
-        for name in ("max_character_rpcs", "max_reflection_streams", "spare_threads", "health_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("first_request_timeout_s", "reflection_idle_timeout_s", "liveness_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+__all__ = ["Admission", "RpcLimits", "admitted"]
 
 
 class Admission:

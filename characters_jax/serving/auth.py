@@ -1,4 +1,4 @@
-"""Bearer-token authentication of a worker's RPCs (`serve --auth-tokens FILE`).
+"""Bearer-token authentication of a worker's RPCs (the [serve] table's auth_tokens FILE).
 
 The token file holds the accepted tokens, one a line; blank lines and everything from a
 '#' to the end of its line are ignored; a token is at least 16 characters, with no spaces.

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker, in their own registry (served on --metrics-port with
+"""Prometheus metrics of a worker, in their own registry (served on the [serve] table's metrics_port with
 /healthz: metrics_http.py).
 
 The model: step time histogram (diffusion per step), step period and decode histograms,

@@ -320,7 +320,7 @@ def _pick_decoder(gpus: list[Gpu], tp: int, decoder_device: str | None) -> Gpu |
         return gpus[int(decoder_device)]
     match = [g for g in gpus if g.device.startswith(decoder_device)]
     if not match:
-        raise PlacementError(f"--decoder-device {decoder_device}: not a visible GPU (visible: 0..{len(gpus) - 1}, a UUID, or 'cpu')")
+        raise PlacementError(f"serve.decoder_device {decoder_device}: not a visible GPU (visible: 0..{len(gpus) - 1}, a UUID, or 'cpu')")
     return match[0]
 
 
@@ -362,7 +362,7 @@ def _host_need(cfg: Config, tp: int, shapes: GeneratorShapes, with_decoder: bool
 
 def _cpu_plan(cfg: Config, tp: int, decoder_device: str | None, with_decoder: bool, host: HostMemory | None) -> Placement:
     if decoder_device not in (None, "cpu"):
-        raise PlacementError(f"--decoder-device {decoder_device}: no GPU is visible (CPU only)")
+        raise PlacementError(f"serve.decoder_device {decoder_device}: no GPU is visible (CPU only)")
     host = host or host_memory()
     shapes = GeneratorShapes.of(cfg)
     total, need, decoder = _host_need(cfg, tp, shapes, with_decoder)
@@ -391,9 +391,9 @@ def plan(cfg: Config, tp: int, gpus: list[Gpu], *, decoder_device: str | None = 
     """
     cfg.validate_tp(tp)
     if generator_memory_fraction is not None and not 0 < generator_memory_fraction <= 1:
-        raise PlacementError(f"--memory-fraction: must be in (0, 1], got {generator_memory_fraction}")
+        raise PlacementError(f"serve.memory_fraction: must be in (0, 1], got {generator_memory_fraction}")
     if decoder_memory_bytes is not None and decoder_memory_bytes <= 0:
-        raise PlacementError(f"--decoder-memory-gib: must be positive, got {decoder_memory_bytes / GIB:g}")
+        raise PlacementError(f"serve.decoder_memory_gib: must be positive, got {decoder_memory_bytes / GIB:g}")
     if not gpus:
         return _cpu_plan(cfg, tp, decoder_device, with_decoder, host)
     if tp > len(gpus):

@@ -4,8 +4,9 @@ It loads the config and the generator, starts (and supervises) its decoder proce
 unless given one, compiles everything once, then serves CharacterService + grpc.health.v1 +
 reflection on one port (build_worker, composition.py) and Prometheus metrics on another. It writes a
 small JSON state file (ports, pids) when ready. SIGTERM (or SIGINT) drains: NOT_SERVING at
-once, new sessions refused (UNAVAILABLE), the live session goes on up to --drain-timeout
-and is then ended CANCELLED; then the worker stops.
+once, new sessions refused (UNAVAILABLE), the live session goes on up to the [serve] table's
+drain_timeout_s and is then ended CANCELLED; then the worker stops. Everything but the
+config, tp, weights, address, state file and log level comes from the [serve] table.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from characters_jax.processes import child_env, stop_on_signals, write_state_fil
 
 if TYPE_CHECKING:
     from characters_jax.serving.warmup import WarmupReport
-    from characters_jax.serving.worker import WorkerOptions
 
 log = logging.getLogger("characters_jax.serving.server")
 
@@ -72,26 +72,9 @@ def warmup_fields(warmup: "WarmupReport", compile_s: float) -> dict:
             "fps_capacity": round(warmup.fps_capacity, 1), "real_time": warmup.real_time, "memory": device_memory()}
 
 
-def worker_options(args) -> "WorkerOptions":
-    """The session options of `serve`'s flags. Raises ValueError naming a bad flag."""
-    from characters_jax.serving.worker import WorkerOptions
-    from characters_jax.wire.images import ImageLimits
-
-    flags = {"lead_chunks": "--lead-chunks", "ready_timeout_s": "--ready-timeout", "max_duration_s": "--max-duration",
-             "idle_timeout_s": "--idle-timeout", "max_queued_audio_s": "--max-queued-audio", "drain_timeout_s": "--drain-timeout",
-             "max_connection_age_s": "--max-connection-age"}
-    try:
-        return WorkerOptions(lead_chunks=args.lead_chunks, ready_timeout_s=args.ready_timeout, max_duration_s=args.max_duration,
-                             idle_timeout_s=args.idle_timeout, max_queued_audio_s=args.max_queued_audio, drain_timeout_s=args.drain_timeout,
-                             worker_id=args.worker_id, max_connection_age_s=args.max_connection_age, image_limits=ImageLimits(max_bytes=args.max_image_bytes))
-    except ValueError as err:
-        name = str(err).split(":", 1)[0]
-        raise ValueError(f"{flags.get(name, name)}: {str(err).split(':', 1)[1].strip()}") from None
-
-
 def run_worker(args) -> int:
     """`serve`: the generator worker."""
-    from characters_jax.config import load_config, with_engine_arguments
+    from characters_jax.config.arguments import config_from_args, set_argv
     from characters_jax.serving.composition import build_worker
     from characters_jax.serving.decoder_link import DecoderClient
     from characters_jax.serving.metrics import WorkerMetrics
@@ -100,24 +83,26 @@ def run_worker(args) -> int:
 
     stop = stop_on_signals()
     t_start = time.perf_counter()
-    cfg = with_engine_arguments(load_config(args.config), args)
+    cfg = config_from_args(args)
+    sv = cfg.serve
+    options = sv.session
     from characters_jax.decoder.address import require_loopback
     from characters_jax.serving.tls import worker_transport
 
     try:
-        options = worker_options(args)
-        credentials, interceptors = worker_transport(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_tokens)
-        if args.decoder:
-            require_loopback(args.decoder, "--decoder")
+        credentials, interceptors = worker_transport(sv.tls_cert or None, sv.tls_key or None, sv.tls_client_ca or None,
+                                                     sv.auth_tokens or None)
+        if sv.decoder:
+            require_loopback(sv.decoder, "serve.decoder")
     except ValueError as err:
         print(f"characters-jax serve: {err}", file=sys.stderr)
         return 2
-    log.info("transport", extra={"fields": {"tls": credentials is not None, "client_certificates": bool(args.tls_client_ca),
+    log.info("transport", extra={"fields": {"tls": credentials is not None, "client_certificates": bool(sv.tls_client_ca),
                                             "bearer_tokens": bool(interceptors)}})
     # Placement first: a plan that cannot fit is refused before anything is initialised.
-    placement = plan(cfg, args.tp, visible_gpus(), decoder_device=args.decoder_device,
-                     decoder_memory_bytes=None if args.decoder_memory_gib is None else int(args.decoder_memory_gib * GIB),
-                     generator_memory_fraction=args.memory_fraction)
+    placement = plan(cfg, args.tp, visible_gpus(), decoder_device=sv.decoder_device or None,
+                     decoder_memory_bytes=int(sv.decoder_memory_gib * GIB) if sv.decoder_memory_gib else None,
+                     generator_memory_fraction=sv.memory_fraction or None)
     apply_to_this_process(placement.generator_env())
     from characters_jax.decoder.weights import WeightsError, checkpoint_path, dit_checkpoint
 
@@ -133,18 +118,18 @@ def run_worker(args) -> int:
     metrics.count_compiles()
     state: dict = {"pid": os.getpid(), "config": cfg.name, "placement": placement.summary}
 
-    state["compile_cache"] = _use_compile_cache(args.compile_cache)
+    state["compile_cache"] = _use_compile_cache(sv.compile_cache)
     supervisor = None
     tmpdir = None
     decoder_state = None
-    if args.decoder:
-        decoder_address = args.decoder
+    if sv.decoder:
+        decoder_address = sv.decoder
     else:
         tmpdir = tempfile.TemporaryDirectory(prefix="characters-decoder-")
         decoder_address = f"unix:{tmpdir.name}/decoder.sock"
         decoder_state = pathlib.Path(tmpdir.name) / "decoder.json"
         argv = [sys.executable, "-m", "characters_jax.cli", "decode-serve", "--config", args.config, "--listen", decoder_address,
-                "--seed", str(args.seed), "--state-file", str(decoder_state), "--checkpoint", checkpoint or "none"]
+                "--state-file", str(decoder_state), "--checkpoint", checkpoint or "none", *set_argv(args.set)]
 
         def on_start(pid, restarts):
             state.update(decoder_pid=pid, decoder_restarts=restarts)
@@ -168,11 +153,11 @@ def run_worker(args) -> int:
             supervisor.stop()
         raise
     log.info("memory plan", extra={"fields": {"memory_plan": state["memory_plan"], "compile_s": round(compile_s, 2)}})
-    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=args.seed, programs=programs)
+    generator = DiTGenerator(cfg, tp=args.tp, checkpoint=dit_path, seed=cfg.seed, programs=programs)
     decoder = DecoderClient(decoder_address, cfg)
     metrics.watch_decoder(decoder.channel)
-    worker = build_worker(generator, decoder, options, host=args.host, port=args.port, credentials=credentials, interceptors=interceptors,
-                          metrics=metrics, timed_steps=3)
+    worker = build_worker(generator, decoder, options, host=args.host, port=args.port, limits=sv.rpc, credentials=credentials,
+                          interceptors=interceptors, metrics=metrics, timed_steps=3)
     state["warmup"] = warmup_fields(worker.warmup, compile_s)
     log.info("generator compiled", extra={"fields": state["warmup"]})
     port = worker.port
@@ -182,8 +167,8 @@ def run_worker(args) -> int:
     from characters_jax.serving.liveness import GrpcLiveness
 
     liveness = GrpcLiveness(worker.probe_target, worker.limits.liveness_timeout_s)  # /healthz: the gRPC server answers
-    metrics_host = args.metrics_host or args.host
-    metrics_http = metrics.serve_http(args.metrics_port, metrics_host, liveness) if args.metrics_port >= 0 else None
+    metrics_host = sv.metrics_host or args.host
+    metrics_http = metrics.serve_http(sv.metrics_port, metrics_host, liveness) if sv.metrics_port >= 0 else None
     metrics_port = metrics_http.port if metrics_http is not None else None
 
     log.info("waiting for the decoder", extra={"fields": {"decoder": decoder_address}})

@@ -4,7 +4,7 @@ Draining and stopping are each bounded (the drain timeout, the server's stop gra
 thread stuck where nothing can reach it (a handler in a call that never returns) would
 still keep the interpreter from exiting: Python joins its thread pools' threads at exit.
 `exit_after` ends the process regardless once the deadline passes, so SIGTERM always ends
-the worker within --drain-timeout plus a few seconds.
+the worker within the [serve] table's drain_timeout_s plus a few seconds.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The worker's TLS and bearer-token transport (`serve --tls-cert PEM --tls-key PEM
-[--tls-client-ca PEM] [--auth-tokens FILE]`).
+"""The worker's TLS and bearer-token transport (the [serve] table's tls_cert, tls_key,
+tls_client_ca and auth_tokens: `serve --set serve.tls_cert=PEM --set serve.tls_key=PEM`).
 
 `server_credentials` checks the files (PEM, the key matches the certificate, the certificate
 is within its validity period) and builds gRPC's TLS credentials; with a client CA, clients
@@ -33,21 +33,21 @@ def server_credentials(cert_path: str, key_path: str, client_ca_path: str | None
 
 def worker_transport(tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None = None,
                      auth_tokens: str | None = None) -> tuple[grpc.ServerCredentials | None, tuple[grpc.ServerInterceptor, ...]]:
-    """The worker's server credentials (None: plaintext) and interceptors, from `serve`'s
-    --tls-cert, --tls-key, --tls-client-ca and --auth-tokens. Raises ValueError naming the
-    flag: a certificate without its key, a client CA or tokens without TLS (a bearer token
+    """The worker's server credentials (None: plaintext) and interceptors, from the [serve]
+    table's tls_cert, tls_key, tls_client_ca and auth_tokens. Raises ValueError naming the
+    key: a certificate without its key, a client CA or tokens without TLS (a bearer token
     must not travel in clear), a file that cannot be used."""
     if bool(tls_cert) != bool(tls_key):
-        raise ValueError("--tls-cert and --tls-key: give both (the certificate and its private key)")
-    for flag, value in (("--tls-client-ca", tls_client_ca), ("--auth-tokens", auth_tokens)):
+        raise ValueError("serve.tls_cert and serve.tls_key: give both (the certificate and its private key)")
+    for key, value in (("serve.tls_client_ca", tls_client_ca), ("serve.auth_tokens", auth_tokens)):
         if value and not tls_cert:
-            raise ValueError(f"{flag}: needs TLS (--tls-cert and --tls-key)")
+            raise ValueError(f"{key}: needs TLS (serve.tls_cert and serve.tls_key)")
     try:
         credentials = server_credentials(tls_cert, tls_key, tls_client_ca) if tls_cert else None
     except ValueError as err:
-        raise ValueError(f"--tls-cert/--tls-key/--tls-client-ca: {err}") from None
+        raise ValueError(f"serve.tls_cert/tls_key/tls_client_ca: {err}") from None
     try:
         interceptors = (BearerTokenInterceptor(TokenFile(auth_tokens)),) if auth_tokens else ()
     except ValueError as err:
-        raise ValueError(f"--auth-tokens: {err}") from None
+        raise ValueError(f"serve.auth_tokens: {err}") from None
     return credentials, interceptors

@@ -18,7 +18,7 @@ import grpc
 from characters_jax.audio.features import AudioFrontEnd
 from characters_jax.audio.pcm import AudioFormatError, PcmFormat, check_format
 from characters_jax.audio.timeline import Timeline
-from characters_jax.config import Config
+from characters_jax.config import Config, WorkerOptions
 from characters_jax.engine.interface import Generator
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
@@ -28,35 +28,14 @@ from characters_jax.serving.health import WorkerHealth
 from characters_jax.serving.live import LiveSession, SessionEnd, SpeechOut, StreamOptions
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.session import SessionRecord, SessionTable, SlotBusy
-from characters_jax.wire.images import ImageError, ImageLimits, load_reference_image
+from characters_jax.wire.images import ImageError, load_reference_image
 from characters_jax.wire.service import AUDIO_ENCODINGS
 
 log = logging.getLogger("characters_jax.serving.worker")
 
 END_WAIT_S = 10.0  # how long CloseSession and the drain wait for a running session's step loop to end it
 
-@dataclasses.dataclass(frozen=True)
-class WorkerOptions:
-    lead_chunks: int = 3  # bound on how far the step loop runs ahead of the client's playout clock
-    ready_timeout_s: float = 60.0  # a READY session with no Converse is cancelled after this
-    encode_timeout_s: float = 120.0  # waiting for a (re)starting decoder to encode the image
-    max_duration_s: float = 3600.0  # a session's longest run (a client may ask for less)
-    idle_timeout_s: float = 120.0  # a session with no speech this long ends (a client may ask for less)
-    max_queued_audio_s: float = 60.0  # speech received ahead of its step, at most
-    drain_timeout_s: float = 300.0  # how long a draining worker lets its live session go on
-    worker_id: str = ""  # reported in Session.worker_id
-    max_connection_age_s: float = 0.0  # close client connections gracefully after this (0: never), so DNS clients re-resolve
-    image_limits: ImageLimits = ImageLimits()
-
-    def __post_init__(self):
-        for name in ("max_duration_s", "idle_timeout_s", "max_queued_audio_s", "ready_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        if self.lead_chunks < 1:
-            raise ValueError(f"lead_chunks: must be >= 1, got {self.lead_chunks}")
-        for name in ("drain_timeout_s", "max_connection_age_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+__all__ = ["CharacterServicer", "WorkerContext", "WorkerOptions", "resolve_limits", "session_proto"]
 
 
 @dataclasses.dataclass

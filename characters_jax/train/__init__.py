@@ -1,6 +1,6 @@
 """Training of the talking demonstrator: the video VAE and the DiT, on synthetic clips.
 
-`characters-jax train all --config talking --out DIR` runs every stage within one deadline
+`characters-jax train all --settings talking --out DIR` runs every stage within one deadline
 (data, VAE, latents, DiT, evaluation), checkpointing each to DIR and resuming from it; the
 result is a weights directory (`characters_jax.decoder.weights`) that `serve --checkpoint`
 and the decoder process load. Only this package and `characters_jax.data` import the

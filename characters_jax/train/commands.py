@@ -1,17 +1,28 @@
-"""`characters-jax train`: the demonstrator's training (all stages), the self-rollout stage
-on a trained weights directory, its evaluation, and the demo's held-out assets."""
+"""`characters-jax train`: the demonstrator's training (all stages), fine-tunes of a trained
+weights directory (the self-rollout stage; the decoder on longer streams), its evaluation,
+and the demo's held-out assets.
+
+`--settings` names the training settings (configs/train/NAME.toml), whose `config` names the
+model config; `--set` sets a key of either: the settings' tables and keys (budget, data, vae,
+dit, rollout, eval; config, seed) or the model config's (model, video, cache, ...)."""
 
 from __future__ import annotations
 
 import sys
 
+from characters_jax.config.arguments import CONFIG_TABLES, add_set_argument
+
+SETTINGS_TABLES = "the settings' budget, data, vae, dit, rollout, eval; config, seed"
+
 
 def _settings(args):
     from characters_jax.config import load_config
-    from characters_jax.train.settings import load_settings
+    from characters_jax.config.loader import split_sets
+    from characters_jax.train.settings import SETTINGS_KEYS, load_settings
 
-    s = load_settings(args.settings or args.config, args.set or ())
-    cfg = load_config(args.config or s.config)
+    settings_items, config_items = split_sets(args.set, SETTINGS_KEYS)
+    s = load_settings(args.settings, settings_items)
+    cfg = load_config(s.config, config_items)
     return cfg, s
 
 
@@ -19,7 +30,7 @@ def _all(args) -> int:
     from characters_jax.train.pipeline import train_all
 
     cfg, s = _settings(args)
-    train_all(cfg, s, args.out, deadline_s=args.deadline_s, export=args.export)
+    train_all(cfg, s, args.out, export=args.export)
     return 0
 
 
@@ -27,7 +38,15 @@ def _rollout(args) -> int:
     from characters_jax.train.finetune import finetune
 
     cfg, s = _settings(args)
-    finetune(cfg, s, args.weights, args.out, deadline_s=args.deadline_s, export=args.export)
+    finetune(cfg, s, args.weights, args.out, export=args.export)
+    return 0
+
+
+def _decoder(args) -> int:
+    from characters_jax.train.finetune import finetune_decoder
+
+    cfg, s = _settings(args)
+    finetune_decoder(cfg, s, args.weights, args.out, export=args.export)
     return 0
 
 
@@ -52,10 +71,14 @@ def _eval(args) -> int:
 
 def _demo_assets(args) -> int:
     from characters_jax.config import load_config
-    from characters_jax.train.demo_assets import write_demo_assets
+    from characters_jax.config.arguments import config_sets
+    from characters_jax.config.loader import with_sets
+    from characters_jax.train.demo_assets import DemoClip, write_demo_assets
 
-    cfg = load_config(args.config)
-    for path in write_demo_assets(cfg, args.out, index=args.index, seconds=args.seconds, seed=args.seed):
+    config_items, clip_items = config_sets(args.set)
+    cfg = load_config(args.config, config_items)
+    clip = with_sets(DemoClip(), "demo_clip", clip_items)
+    for path in write_demo_assets(cfg, args.out, clip):
         print(f"wrote {path}")
     return 0
 
@@ -78,15 +101,15 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="train_command", metavar="STAGE", required=True)
 
     def common(q):
-        q.add_argument("--config", default=None, help="model config (default: the settings' config)")
-        q.add_argument("--settings", default=None,
-                       help="training settings: configs/train/NAME.toml or a path (default: the --config name)")
-        q.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a setting (repeatable)")
+        q.add_argument("--settings", default="talking",
+                       help="training settings: configs/train/NAME.toml or a path (default: talking); its `config` "
+                            "names the model config (--set config=NAME)")
+        add_set_argument(q, SETTINGS_TABLES + "; the model config's: " + CONFIG_TABLES)
 
     q = sub.add_parser("all", help="data, VAE, latents, DiT, weights and evaluation within a deadline (resumable)")
     common(q)
-    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it")
-    q.add_argument("--deadline-s", type=float, default=None, help="wall-clock seconds for the whole run")
+    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
+                                                "budget.deadline_s)")
     q.add_argument("--export", default=None,
                    help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
     q.set_defaults(func=_errors(_all))
@@ -95,11 +118,21 @@ def register(subparsers) -> None:
                                        "resumable), then its weights and evaluation")
     common(q)
     q.add_argument("--weights", required=True, help="the weights directory to start from (e.g. checkpoints/talking)")
-    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it")
-    q.add_argument("--deadline-s", type=float, default=None, help="wall-clock seconds for the whole run")
+    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
+                                                "budget.deadline_s)")
     q.add_argument("--export", default=None,
                    help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
     q.set_defaults(func=_errors(_rollout))
+
+    q = sub.add_parser("decoder", help="the VAE's decoder trained again on longer streams (--set vae.chunks=N), the "
+                                       "encoder and the DiT kept; then its weights and evaluation (resumable)")
+    common(q)
+    q.add_argument("--weights", required=True, help="the weights directory to start from (e.g. checkpoints/talking)")
+    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
+                                                "budget.deadline_s)")
+    q.add_argument("--export", default=None,
+                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
+    q.set_defaults(func=_errors(_decoder))
 
     q = sub.add_parser("eval", help="lip sync, identity and drift of a weights directory on held-out clips")
     common(q)
@@ -108,9 +141,7 @@ def register(subparsers) -> None:
     q.set_defaults(func=_errors(_eval))
 
     q = sub.add_parser("demo-assets", help="a held-out portrait (PNG), speech (WAV) and mouth tracks for the demo")
-    q.add_argument("--config", default="talking")
+    q.add_argument("--config", default="talking", help="model config (its video size)")
     q.add_argument("--out", required=True)
-    q.add_argument("--index", type=int, default=0, help="held-out clip index (past the evaluation's: 1000)")
-    q.add_argument("--seconds", type=float, default=8.0)
-    q.add_argument("--seed", type=int, default=0)
+    add_set_argument(q, "demo_clip (index: the held-out clip, default 1000, past the evaluation's; seconds; seed)")
     q.set_defaults(func=_errors(_demo_assets))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from characters_jax.client.commands import CREDENTIALS_HELP
+from characters_jax.config.arguments import CONFIG_TABLES, add_set_argument
 
 
 def _view(args) -> int:
@@ -20,10 +21,10 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8080, help="the page's port on 127.0.0.1 (0: any free port)")
     p.add_argument("--image", default=None, help="default reference image (the page can upload another)")
     p.add_argument("--prompt", default="a friendly character, talking")
-    p.add_argument("--prebuffer-chunks", type=int, default=2, help="chunks buffered before playback starts")
     p.add_argument("--out", default="out", help="where the started worker's log goes")
     p.add_argument("--state-file", default=None, help="JSON file: the page's URL and port, the worker's state")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-level", default="info")
     p.add_argument("--credentials", default=None, metavar="FILE", help=CREDENTIALS_HELP + " (with --server)")
+    add_set_argument(p, "view (the bridge: prebuffer_chunks, audio_rate, mic_timeout_s, connect_timeout_s, "
+                        "stats_period_s); the started worker's: " + CONFIG_TABLES)
     p.set_defaults(func=_view)

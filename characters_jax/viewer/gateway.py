@@ -6,7 +6,9 @@ microphone goes up as the conversation's audio, the character's video and voice 
 WebRTC tracks (bridge.py, media.py, link.py). The worker never sees WebRTC.
 Loopback only (ice.py).
 
-Without --server, `view` starts a worker for --config itself (like `demo`) and stops it on exit.
+Without --server, `view` starts a worker for --config itself (like `demo`, with the `--set`
+items of the config's tables) and stops it on exit. `--set view.KEY=VALUE` sets the
+bridge's options (`BridgeOptions`: prebuffer_chunks, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from characters_jax.client.credentials import load_client_credentials
+from characters_jax.config import load_config
+from characters_jax.config.arguments import config_sets, set_argv
+from characters_jax.config.loader import with_sets
 from characters_jax.processes import child_env, terminate, write_state_file
 from characters_jax.viewer.bridge import BridgeOptions, ViewerBridge
 from characters_jax.viewer.guard import RouteRules, check_request
@@ -43,12 +48,14 @@ MAX_OFFER_BYTES = 8 << 20  # an SDP plus a base64 reference image of up to 4 MiB
 class LocalWorker:
     """`characters-jax serve` started by `view`: a subprocess on a free port, its log in a file."""
 
-    def __init__(self, config: str, checkpoint: str | None, log_path: pathlib.Path):
+    def __init__(self, config: str, checkpoint: str | None, log_path: pathlib.Path, sets: tuple[str, ...] = ()):
+        """sets: `--set` items of the config's tables, for the worker."""
         self._tmp = tempfile.TemporaryDirectory(prefix="characters-view-")
         self.state_file = pathlib.Path(self._tmp.name) / "worker.json"
         self.log_path = log_path
         argv = [sys.executable, "-m", "characters_jax.cli", "serve", "--config", config, "--host", LOOPBACK, "--port", "0",
-                "--metrics-host", LOOPBACK, "--metrics-port", "0", "--state-file", str(self.state_file)]
+                "--state-file", str(self.state_file), "--set", f"serve.metrics_host={LOOPBACK}", "--set", "serve.metrics_port=0",
+                *set_argv(sets)]
         if checkpoint:
             argv += ["--checkpoint", checkpoint]
         self._log = open(log_path, "w")
@@ -219,7 +226,9 @@ async def _run_view(args) -> int:
         credentials = load_client_credentials(args.credentials) if args.credentials else None
         if credentials is not None and credentials.certificate_problem():
             raise ValueError(f"--credentials: {credentials.certificate_problem()}")
-        options = BridgeOptions(prebuffer_chunks=args.prebuffer_chunks, credentials=credentials)
+        worker_sets, view_sets = config_sets(args.set)
+        startup_timeout_s = load_config(args.config, worker_sets).serve.startup_timeout_s
+        options = dataclasses.replace(with_sets(BridgeOptions(), "view", view_sets), credentials=credentials)
     except (OSError, ImageError, ValueError) as err:
         print(f"characters-jax view: {err}", file=sys.stderr)
         return 2
@@ -229,7 +238,7 @@ async def _run_view(args) -> int:
     else:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        local = worker = LocalWorker(args.config, str(checkpoint or "none"), out / "view_worker.log")
+        local = worker = LocalWorker(args.config, str(checkpoint or "none"), out / "view_worker.log", tuple(worker_sets))
     gateway = Gateway(worker, options, image, args.prompt)
     state: dict = {"pid": os.getpid()}
 
@@ -250,7 +259,7 @@ async def _run_view(args) -> int:
     code = 0
     try:
         if local is not None:
-            ready = asyncio.ensure_future(local.wait_ready(args.startup_timeout))
+            ready = asyncio.ensure_future(local.wait_ready(startup_timeout_s))
             await asyncio.wait([ready, server, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
             if ready.done():
                 publish()

@@ -3,7 +3,7 @@ before gRPC sees them, with the certificate's validity period), and token files.
 
 A token file holds tokens one a line; blank lines and everything from a '#' to the end of
 its line are ignored; a token is at least 16 characters, with no spaces. The worker accepts
-the tokens of its file (`serve --auth-tokens`); a client sends the one token of its
+the tokens of its file (the worker's [serve] auth_tokens); a client sends the one token of its
 credentials' token_file.
 """
 

@@ -8,14 +8,13 @@ act on: what is wrong, never a Python object's repr or a memory address.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import re
 
 import numpy as np
 
-DEFAULT_MAX_BYTES = 4 << 20  # 4 MiB
-DEFAULT_MAX_PIXELS = 4096 * 4096
+from characters_jax.config import ImageLimits  # the [serve] table's image limits
+
 ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP")
 _ACCEPTED_NAMES = "a PNG, JPEG or WebP file"
 _MAX_DETAIL_CHARS = 160
@@ -53,12 +52,6 @@ class ImageError(ValueError):
     def __init__(self, message: str, reason: str = ""):
         super().__init__(message)
         self.reason = reason
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageLimits:
-    max_bytes: int = DEFAULT_MAX_BYTES
-    max_pixels: int = DEFAULT_MAX_PIXELS
 
 
 def sniff_format(data: bytes) -> str | None:

@@ -1,24 +1,25 @@
-"""Typed, frozen configuration loaded from `configs/<name>.toml`.
+"""The model config: `configs/<name>.toml` as a frozen `Config`.
 
-A config file has one table per dataclass below (`[model]`, `[video]`, `[cache]`,
-`[sampler]`, `[audio]`, `[decoder]`, `[engine]`); a field left out takes its default. A user adds a
-config by dropping a new `.toml` into `configs/` (or passing a path): no code changes.
-`validate()` runs on load and names the offending field in its error.
+A config file has a top-level `name` and `seed` and one table per dataclass: the model's
+(`[model]`, `[video]`, `[cache]`, `[sampler]`, `[audio]`, `[decoder]`, `[engine]`) and the
+commands' that run it (`[serve]`, `[bench]`); a field left out takes its default. A user adds
+a config by dropping a new `.toml` into `configs/` (or passing a path): no code changes.
+The loader (`config.loader`) checks each value's type; `validate()` then checks the model's
+tables together; every error names the offending TABLE.KEY.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
-import tomllib
+from collections.abc import Iterable
 from typing import Any
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+from characters_jax.config.bench import BenchConfig
+from characters_jax.config.loader import ConfigError, apply_sets, from_document, read_toml
+from characters_jax.config.serve import ServeConfig
 
-
-class ConfigError(ValueError):
-    """A config value is invalid; the message names the field."""
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,14 +165,21 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    name: str
-    model: ModelConfig
-    video: VideoConfig
-    cache: CacheConfig
-    sampler: SamplerConfig
-    audio: AudioConfig
-    decoder: DecoderConfig
+    """One config: the model's tables, and the tables of the commands that run it. seed: of
+    the random weights where a command makes them (serve, decode-serve, bench,
+    init-checkpoint) and of bench's inputs."""
+
+    name: str = "custom"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    video: VideoConfig = VideoConfig()
+    cache: CacheConfig = CacheConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    audio: AudioConfig = AudioConfig()
+    decoder: DecoderConfig = DecoderConfig()
     engine: EngineConfig = EngineConfig()
+    serve: ServeConfig = ServeConfig()
+    bench: BenchConfig = BenchConfig()
 
     @property
     def sink_image_tokens(self) -> int:
@@ -245,29 +253,6 @@ _CHOICES = {
 }
 
 
-def _build_section(section: str, cls: type, raw: dict[str, Any]) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a table, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"{section}.{key}: unknown field (known: {', '.join(sorted(fields))})")
-        default = getattr(cls(), key)
-        if isinstance(default, tuple):
-            if not isinstance(value, (list, tuple)):
-                raise ConfigError(f"{section}.{key}: expected a list, got {value!r}")
-            value = tuple(value)
-        elif isinstance(default, bool) or not isinstance(default, (int, float, str)):
-            pass
-        elif isinstance(default, float) and isinstance(value, int):
-            value = float(value)
-        elif not isinstance(value, type(default)):
-            raise ConfigError(f"{section}.{key}: expected {type(default).__name__}, got {value!r}")
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
 def validate(cfg: Config) -> None:
     """Raises ConfigError naming the first invalid field."""
     for section in _SECTIONS:
@@ -306,71 +291,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampler.sigmas: must be at least two strictly decreasing values, got {s.sigmas}")
 
 
-def read_toml(name_or_path: str, directory: pathlib.Path, what: str) -> tuple[dict, pathlib.Path]:
-    """(the parsed table, its path) of `directory/<name>.toml`, or of a .toml path. Raises
-    ConfigError naming `what` and the known names when there is no such file."""
-    path = pathlib.Path(name_or_path)
-    if path.suffix != ".toml":
-        path = directory / f"{name_or_path}.toml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml")))
-        raise ConfigError(f"{what} {name_or_path!r} not found (known: {known})")
-    with path.open("rb") as fh:
-        return tomllib.load(fh), path
-
-
-def load_config(name_or_path: str) -> Config:
-    """Loads `configs/<name>.toml`, or a .toml file given by path, and validates it."""
+def load_config(name_or_path: str, sets: Iterable[str] = ()) -> Config:
+    """Loads `configs/<name>.toml`, or a .toml file given by path, with `--set` items
+    (`TABLE.KEY=VALUE`) applied, and validates it. Raises ConfigError naming the key."""
     raw, path = read_toml(name_or_path, CONFIG_DIR, "config")
-    return config_from_dict(raw, default_name=path.stem)
+    return config_from_dict(apply_sets(raw, sets), default_name=path.stem)
 
 
 def config_from_dict(raw: dict[str, Any], default_name: str = "custom") -> Config:
-    raw = dict(raw)
-    name = raw.pop("name", default_name)
-    unknown = set(raw) - set(_SECTIONS)
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown section (known: {', '.join(_SECTIONS)})")
-    sections = {s: _build_section(s, cls, raw.get(s, {})) for s, cls in _SECTIONS.items()}
-    cfg = Config(name=name, **sections)
+    """A Config from a parsed document (missing keys and tables take their defaults)."""
+    cfg = from_document(Config(name=default_name), raw)
     validate(cfg)
     return cfg
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that override the config's [engine] and [cache] tables (default: the
-    config's), the same for every command that builds an engine (serve, bench, numerics,
-    demo); ``with_engine_arguments`` applies them."""
-    g = parser.add_argument_group("engine (override the config's [engine] and [cache])")
-    g.add_argument("--attention", default=None, metavar="|".join(ATTENTION_IMPLS),
-                   help="attention implementation")
-    g.add_argument("--reduce", default=None, metavar="|".join(REDUCE_METHODS),
-                   help="the blocks' all-reduce")
-    g.add_argument("--kernels", default=None, metavar="auto|none|" + "+".join(KERNELS),
-                   help="custom kernels: auto, none, or a '+'-joined subset of "
-                        + ", ".join(KERNELS))
-    g.add_argument("--cache-mode", default=None, metavar="|".join(_CHOICES[("cache", "mode")]),
-                   help="cache.mode")
-    g.add_argument("--cache-dtype", default=None, metavar="|".join(_CHOICES[("cache", "dtype")]),
-                   help="cache.dtype")
-
-
-def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of ``add_engine_arguments`` that were given, as a command line (for a
-    command that starts another, e.g. demo -> serve)."""
-    out = []
-    for key in ("attention", "reduce", "kernels", "cache_mode", "cache_dtype"):
-        value = getattr(args, key, None)
-        if value is not None:
-            out += ["--" + key.replace("_", "-"), str(value)]
-    return out
-
-
-def with_engine_arguments(cfg: Config, args: argparse.Namespace) -> Config:
-    """``cfg`` with the flags of ``add_engine_arguments`` applied (those given), validated:
-    a bad value is a ConfigError naming the field and its allowed values."""
-    engine = {k: getattr(args, k) for k in ("attention", "reduce", "kernels")
-              if getattr(args, k, None) is not None}
-    cache = {k: getattr(args, f"cache_{k}") for k in ("mode", "dtype")
-             if getattr(args, f"cache_{k}", None) is not None}
-    return cfg.replace(engine=engine, cache=cache)
