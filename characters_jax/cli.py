@@ -13,7 +13,7 @@ import sys
 
 COMMAND_MODULES = (
     "characters_jax.measure.bench",  # bench
-    "characters_jax.checkpoint",  # init-checkpoint
+    "characters_jax.weights.commands",  # init-checkpoint
     "characters_jax.serving.commands",  # serve
     "characters_jax.decoder.commands",  # decode-serve
     "characters_jax.client.commands",  # talk

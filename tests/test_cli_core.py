@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from characters_jax.checkpoint import restore_params, save_params
+from characters_jax.weights.dit import restore_params, save_params
 from characters_jax.config import load_config
 from characters_jax.engine.step import Engine
 from characters_jax.parallel.sharding import make_mesh

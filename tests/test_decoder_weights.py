@@ -11,7 +11,8 @@ from flax import nnx
 
 from characters_jax.config import load_config
 from characters_jax.decoder.runtime import VaeRuntime
-from characters_jax.decoder.weights import LatentStats, WeightsError, dit_checkpoint, open_weights, save_weights
+from characters_jax.weights.directory import LatentStats, WeightsError, open_weights, save_weights
+from characters_jax.weights.dit import dit_checkpoint
 
 MINI = dict(video={"height": 32, "width": 48, "spatial_compression": 16}, decoder={"channels": (8, 8, 8)},
             model={"num_blocks": 1, "d_model": 32, "num_heads": 2, "head_dim": 16, "mlp_dim": 64,
@@ -126,7 +127,7 @@ def test_a_stream_decodes_without_compiling_after_warm_up(weights):
     nothing."""
     from jax import monitoring
 
-    from characters_jax.decoder.weights import bundled_weights
+    from characters_jax.weights.directory import bundled_weights
 
     cfg = load_config("talking")
     path = bundled_weights("talking")

@@ -93,7 +93,7 @@ def test_the_ground_truth_with_other_motion_is_at_the_ceiling(clip):
 @pytest.fixture(scope="module")
 def vae():
     from characters_jax.decoder.runtime import VaeRuntime
-    from characters_jax.decoder.weights import bundled_weights
+    from characters_jax.weights.directory import bundled_weights
 
     if bundled_weights("talking") is None:
         pytest.skip("no bundled talking weights (checkpoints/talking)")
@@ -156,7 +156,7 @@ def test_the_shipped_weights_are_flagged_on_their_demo_clip(vae, net):
     pytest.importorskip("espeakng_loader")
     from characters_jax.config import load_config
     from characters_jax.data.clips import ClipSpec, plan_clip
-    from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.lipsync.fidelity_eval import decode_chunks
     from characters_jax.train.evaluate import generate_latents, make_generator, portrait
 

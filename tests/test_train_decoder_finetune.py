@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from characters_jax.decoder.weights import LatentStats, open_weights, save_weights
+from characters_jax.weights.directory import LatentStats, open_weights, save_weights
 from characters_jax.train.finetune import load_trained, tune_decoder
 from characters_jax.train.pipeline import pure
 from characters_jax.train.state_io import StageStore

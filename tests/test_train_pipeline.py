@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from characters_jax.config import load_config
-from characters_jax.decoder.weights import dit_checkpoint, open_weights
+from characters_jax.weights.directory import open_weights
+from characters_jax.weights.dit import dit_checkpoint
 from characters_jax.train.settings import settings_from_dict
 
 MINI = dict(video={"height": 32, "width": 48, "spatial_compression": 16}, decoder={"channels": (8, 8, 8)},

@@ -135,7 +135,8 @@ def test_the_stage_resumes_from_its_checkpoint(tmp_path):
 def test_finetune_starts_from_a_weights_directory(tmp_path):
     """The stage starts from a weights directory's DiT (not a fresh init) and its result
     packs into a directory that passes the serving path's checks."""
-    from characters_jax.decoder.weights import LatentStats, dit_checkpoint, open_weights, save_weights
+    from characters_jax.weights.directory import LatentStats, open_weights, save_weights
+    from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.train.finetune import load_trained
     from characters_jax.train.pipeline import pure
     from characters_jax.train.vae_train import Vae

@@ -25,7 +25,7 @@ def run_decoder(args) -> int:
     from characters_jax.config.arguments import config_from_args
     from characters_jax.decoder.runtime import VaeRuntime
     from characters_jax.decoder.service import start_decoder_server
-    from characters_jax.decoder.weights import WeightsError, checkpoint_path
+    from characters_jax.weights.directory import WeightsError, checkpoint_path
 
     stop = stop_on_signals()
     cfg = config_from_args(args)

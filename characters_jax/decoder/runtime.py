@@ -19,7 +19,7 @@ from flax import nnx
 
 from characters_jax.config import Config
 from characters_jax.decoder.vae import VideoDecoder, VideoEncoder
-from characters_jax.decoder.weights import LatentStats, abstract_tree, open_weights
+from characters_jax.weights.directory import LatentStats, abstract_tree, open_weights
 
 
 def to_uint8(video: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ def demo_command(args) -> int:
     from characters_jax.client.mp4 import probe_mp4
     from characters_jax.client.talk import TalkOptions, print_summary, run_talk
     from characters_jax.config.arguments import config_from_args, set_argv
-    from characters_jax.decoder.weights import checkpoint_path, demo_clip
+    from characters_jax.weights.directory import checkpoint_path, demo_clip
 
     cfg = config_from_args(args)
     startup_timeout_s = cfg.serve.startup_timeout_s

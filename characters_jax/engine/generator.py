@@ -150,7 +150,7 @@ class DiTGenerator:
             self.mesh = make_mesh(tp, devices)
             self.engine = Engine(self.config, self.mesh)
         if checkpoint:
-            from characters_jax.checkpoint import restore_params
+            from characters_jax.weights.dit import restore_params
 
             self.params = restore_params(checkpoint, self.engine)
         elif programs is not None and programs.init_params is not None:

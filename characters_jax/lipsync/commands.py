@@ -75,7 +75,7 @@ def _train_features(args) -> int:
 def _fidelity(args) -> int:
     from characters_jax.config.loader import with_sets
     from characters_jax.data.speech import EspeakError
-    from characters_jax.decoder.weights import WeightsError
+    from characters_jax.weights.directory import WeightsError
     from characters_jax.lipsync.fidelity_eval import ValidationSettings, markdown, validate_measure
 
     settings = with_sets(ValidationSettings(), "fidelity", args.set)  # a bad key: exit code 2

@@ -95,7 +95,7 @@ class ValidationSettings:
 
 
 def _demo_index(weights) -> int | None:
-    from characters_jax.decoder.weights import demo_clip
+    from characters_jax.weights.directory import demo_clip
 
     clip = demo_clip(weights)
     m = re.search(r"heldout-(\d+)-", clip["tracks"].name) if clip else None
@@ -108,7 +108,7 @@ def validate_measure(settings: ValidationSettings, log=print) -> dict:
     from characters_jax.data.clips import ClipSpec, plan_clip
     from characters_jax.data.face import render_frames
     from characters_jax.data.speech import EspeakVoice
-    from characters_jax.decoder.weights import checkpoint_path
+    from characters_jax.weights.directory import checkpoint_path
     from characters_jax.lipsync import fidelity_faults as faults
     from characters_jax.lipsync.feature_net import load_features
     from characters_jax.train.evaluate import generate_latents, portrait
@@ -137,7 +137,7 @@ def validate_measure(settings: ValidationSettings, log=print) -> dict:
     log(f"fidelity: {n} held-out clips rendered, controls made ({time.monotonic() - t0:.0f} s)")
     if weights:
         from characters_jax.decoder.runtime import VaeRuntime
-        from characters_jax.decoder.weights import dit_checkpoint
+        from characters_jax.weights.dit import dit_checkpoint
         from characters_jax.train.evaluate import make_generator
 
         vae = VaeRuntime(cfg, checkpoint=weights)

@@ -47,7 +47,7 @@ def main(args) -> int:
     if args.tp > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={max(args.tp, 4)}".strip()
     from characters_jax.config import ConfigError
-    from characters_jax.decoder.weights import WeightsError
+    from characters_jax.weights.directory import WeightsError
 
     try:
         settings = settings_from_args(args)

@@ -228,10 +228,10 @@ def _rounded(clips, dtype):
 def prepare(settings: GateSettings) -> _Setup:
     """Opens the weights (FileNotFoundError / WeightsError before anything runs), makes or
     loads the held-out plans, encodes the clips' inputs, restores the reference's params."""
-    from characters_jax.checkpoint import restore_params
+    from characters_jax.weights.dit import restore_params
     from characters_jax.data.face import render_frames
     from characters_jax.decoder.runtime import VaeRuntime
-    from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.lipsync.fidelity_eval import references
     from characters_jax.numerics.clips import clip_inputs, make_plans
 

@@ -104,7 +104,8 @@ def run_worker(args) -> int:
                      decoder_memory_bytes=int(sv.decoder_memory_gib * GIB) if sv.decoder_memory_gib else None,
                      generator_memory_fraction=sv.memory_fraction or None)
     apply_to_this_process(placement.generator_env())
-    from characters_jax.decoder.weights import WeightsError, checkpoint_path, dit_checkpoint
+    from characters_jax.weights.directory import WeightsError, checkpoint_path
+    from characters_jax.weights.dit import dit_checkpoint
 
     try:  # the weights checked against the config (after the placement: this starts JAX), before any compile
         path = checkpoint_path(args.checkpoint, cfg.name)

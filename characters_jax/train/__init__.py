@@ -2,7 +2,7 @@
 
 `characters-jax train all --settings talking --out DIR` runs every stage within one deadline
 (data, VAE, latents, DiT, evaluation), checkpointing each to DIR and resuming from it; the
-result is a weights directory (`characters_jax.decoder.weights`) that `serve --checkpoint`
+result is a weights directory (`characters_jax.weights.directory`) that `serve --checkpoint`
 and the decoder process load. Only this package and `characters_jax.data` import the
 training dependencies (optax; espeak-ng through the data package).
 """

@@ -85,7 +85,7 @@ def _demo_assets(args) -> int:
 
 def _errors(func):
     def run(args) -> int:
-        from characters_jax.decoder.weights import WeightsError
+        from characters_jax.weights.directory import WeightsError
 
         try:
             return func(args)

@@ -136,7 +136,7 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     estimated time fits; the result says what was cut."""
     from characters_jax.data.face import render_frames
     from characters_jax.decoder.runtime import VaeRuntime
-    from characters_jax.decoder.weights import dit_checkpoint
+    from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.lipsync.fidelity_eval import evaluation_rows
     from characters_jax.lipsync.identity import identify, identity_distance
     from characters_jax.lipsync.probe import load_probe

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from characters_jax.config import Config
-from characters_jax.decoder.weights import Weights, abstract_tree, check_tree, dit_target, open_weights, tree_spec
+from characters_jax.weights.directory import Weights, abstract_tree, check_tree, open_weights, tree_spec
+from characters_jax.weights.dit import dit_target
 from characters_jax.train.settings import TrainSettings
 
 

@@ -6,7 +6,7 @@ Output directory (everything a rerun resumes from):
   vae/ dit/ rollout/  the stages' checkpoints (`state_io.StageStore`; done.json when
              finished); the self-rollout stage (`self_rollout`) runs when the settings give
              it a share of the deadline, from the DiT stage's weights
-  weights/   the result: a weights directory (`characters_jax.decoder.weights`), EMA
+  weights/   the result: a weights directory (`characters_jax.weights.directory`), EMA
              weights stored as bfloat16
   weights.tar  the same, as one file to carry
   eval/      eval.json and eval.md (`evaluate`)
@@ -31,7 +31,7 @@ import numpy as np
 
 from characters_jax.config import Config
 from characters_jax.data.clips import ClipSpec
-from characters_jax.decoder.weights import LatentStats, open_weights, save_weights
+from characters_jax.weights.directory import LatentStats, open_weights, save_weights
 from characters_jax.train.evaluate import evaluate, markdown
 from characters_jax.train.latents import build_dit_data
 from characters_jax.train.plans import PlanMaker, load_plans

@@ -209,7 +209,7 @@ async def serve_gateway(gateway: Gateway, port: int, started=None) -> None:
 
 
 async def _run_view(args) -> int:
-    from characters_jax.decoder.weights import checkpoint_path, demo_clip
+    from characters_jax.weights.directory import checkpoint_path, demo_clip
     from characters_jax.demo import assets
 
     try:

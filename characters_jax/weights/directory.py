@@ -4,7 +4,8 @@ Layout (`save_weights` writes it, `open_weights` reads it):
   manifest.json   format, the config's name and shape fields, the parts' trees (path ->
                   shape, dtype), the latent statistics and a training summary
   dit/            orbax: the DiT's parameters as `nnx.to_pure_dict` of the engine's state
-                  (what `characters_jax.checkpoint.restore_params` restores)
+                  (what `weights.dit.restore_params` restores; `weights.dit.dit_checkpoint`
+                  checks it against the engine's)
   vae/            orbax: {"decoder": ..., "encoder": ...} parameter dicts
 Arrays may be stored in a narrower float dtype (bfloat16) than the config computes in;
 they are cast on restore. Every check runs at start-up, before a session exists: a
@@ -80,7 +81,8 @@ def _key(path) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
 
 
-def _checkpointer():
+def checkpointer():
+    """orbax's StandardCheckpointer (imported when first needed)."""
     import orbax.checkpoint as ocp
 
     return ocp.StandardCheckpointer()
@@ -105,7 +107,7 @@ def save_weights(directory, cfg, dit: dict, vae: dict, stats: LatentStats, train
     out.mkdir(parents=True)
     dtype = jnp.dtype(store_dtype) if store_dtype else None
     parts = {"dit": _cast_tree(dit, dtype), "vae": _cast_tree(vae, dtype)}
-    ckpt = _checkpointer()
+    ckpt = checkpointer()
     for name, tree in parts.items():
         ckpt.save(out / name, tree)
     ckpt.wait_until_finished()
@@ -135,7 +137,7 @@ class Weights:
         allowed): arrays come back in the target's dtypes."""
         check_tree(f"{self.path}: {name}", self.manifest["trees"][name], tree_spec(target))
         try:
-            return _checkpointer().restore(self.part(name), target)
+            return checkpointer().restore(self.part(name), target)
         except Exception as err:  # a damaged array file: name the part, not orbax's internals
             raise WeightsError(f"{self.part(name)}: cannot be restored ({type(err).__name__}: "
                                f"{str(err).splitlines()[0] if str(err) else ''})") from None
@@ -179,7 +181,7 @@ def open_weights(directory, cfg) -> Weights:
         if name not in trees:
             raise WeightsError(f"{path / MANIFEST}: no tree for part {name!r}")
         try:
-            meta = _checkpointer().metadata(path / name).item_metadata.tree
+            meta = checkpointer().metadata(path / name).item_metadata.tree
         except Exception as err:
             raise WeightsError(f"{path / name}: not a readable orbax checkpoint "
                                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
@@ -214,15 +216,6 @@ def abstract_tree(tree, device=None):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def dit_target(cfg) -> dict:
-    """The DiT parameters' pure dict of ShapeDtypeStructs that the engine restores."""
-    from flax import nnx
-
-    from characters_jax.model.dit import DiT
-
-    return nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: DiT(cfg.model, rngs=nnx.Rngs(0)))))
-
-
 CHECKPOINT_DIR = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
 
 
@@ -255,12 +248,3 @@ def demo_clip(checkpoint) -> dict | None:
     if not all(found.values()):
         return None
     return {k: v[0] for k, v in found.items()}
-
-
-def dit_checkpoint(directory, cfg) -> str:
-    """The orbax directory of the DiT in a weights directory, after every start-up check
-    against cfg (`open_weights`, and the DiT's arrays against the engine's): the path to
-    give `DiTGenerator(checkpoint=...)`."""
-    w = open_weights(directory, cfg)
-    check_tree(f"{w.path}: dit", w.manifest["trees"]["dit"], tree_spec(dit_target(cfg)))
-    return str(w.part("dit"))

@@ -1,61 +1,21 @@
-"""Sharded parameter checkpoints with orbax, and `characters-jax init-checkpoint`.
-
-Random weights are created directly sharded on the devices by the engine's jitted init
-(`out_shardings`), then written by orbax shard by shard: no full host copy, so
-characters-57b (~56B parameters) needs no 112 GB of host memory. Restore reads each shard
-straight onto its device, laid out for the given mesh (a checkpoint written at one tp size
-restores at another).
-"""
+"""CLI sub-command of the weights: init-checkpoint."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import time
 
-import jax
-from flax import nnx
-
-
-def _checkpointer():
-    import orbax.checkpoint as ocp
-
-    return ocp.StandardCheckpointer()
-
-
-def save_params(path: str | pathlib.Path, params: nnx.State) -> pathlib.Path:
-    """Writes params (an nnx.State of sharded arrays) to `path` (must not exist)."""
-    path = pathlib.Path(path).resolve()
-    ckpt = _checkpointer()
-    ckpt.save(path, nnx.to_pure_dict(params))
-    ckpt.wait_until_finished()
-    return path
-
-
-def restore_params(path: str | pathlib.Path, engine) -> nnx.State:
-    """Restores params for `engine` (an ``engine.step.Engine``: its abstract params and
-    their shardings on its mesh), each shard onto its device."""
-    path = pathlib.Path(path).resolve()
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    abstract = jax.tree.map(
-        lambda var, sharding: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=sharding),
-        engine.abstract_params,
-        engine.param_shardings,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
-    target = nnx.to_pure_dict(abstract)
-    restored = _checkpointer().restore(path, target)
-    state = jax.tree.map(lambda x: x, engine.abstract_params)
-    nnx.replace_by_pure_dict(state, restored)
-    return state
-
 
 def _init_checkpoint(args) -> int:
+    import functools
+
+    import jax
+
     from characters_jax.config.arguments import config_from_args
     from characters_jax.model.params import abstract_model, count_params, init_state, param_partition_specs
     from characters_jax.parallel.sharding import ShardingRules, make_mesh, named_shardings
+    from characters_jax.weights.dit import save_params
 
     cfg = config_from_args(args)
     cfg.validate_tp(args.tp)
