@@ -12,7 +12,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=4
 # On the 2-core CI machine two take the suite from ~11 to ~8 minutes.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv protos browser test demo demo-assets bench-tiny clean
+.PHONY: venv protos browser pipecat-env test demo demo-assets bench-tiny clean
 
 $(STAMP): pyproject.toml
 	@if [ -z "$(PYTHON312)" ]; then echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 2; fi
@@ -31,9 +31,15 @@ protos: $(STAMP)
 browser:
 	@bash tools/install_browser.sh >/dev/null
 
+# The Pipecat integration's client environment (pipecat-ai needs protobuf < 7, the worker pins
+# 7.36.2): its own venv with the client library and stubs generated for protobuf 5.29+. Made
+# once; where the registry cannot be reached its tests skip with pip's reason.
+pipecat-env: $(STAMP)
+	-$(PY) -m characters_jax.integrations.client_env .venv-pipecat pipecat
+
 # --capture=sys: what the runtime's C++ writes to the process's stderr (XLA's messages before
 # it ends a process) reaches the log instead of a capture file that dies with the process.
-test: protos browser
+test: protos browser pipecat-env
 	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadfile --capture=sys --durations=15 tests
 
 # The whole service on localhost (decoder process, generator worker, client): writes
@@ -51,4 +57,4 @@ bench-tiny: $(STAMP)
 	$(PY) -m characters_jax.cli bench --config tiny --tp 4 --set cache.mode=launch --steps 50
 
 clean:
-	rm -rf $(VENV) out build *.egg-info characters_jax/protos_gen
+	rm -rf $(VENV) .venv-pipecat out build *.egg-info characters_jax/protos_gen
