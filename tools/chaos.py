@@ -17,17 +17,21 @@ round_robin with health checks). Drawn from --seed:
   - faults, each aimed at the worker of an anchor (a long listening session opened for it):
     a decoder SIGKILL (the anchor fails UNAVAILABLE, the supervisor starts the decoder
     again) and a worker SIGTERM (it drains: the anchor is cut CANCELLED, DRAIN_TIMEOUT; the
-    worker exits 0 and is started again on its port).
+    worker exits 0 and is started again on its port). One fault at a time, each waiting for
+    its anchor and for its worker's recovery, so the chaos lasts --minutes or until the last
+    fault's recovery, whichever is later.
 The run has a warm-up (the same traffic, no faults), after which each worker's threads, open
-files and RSS are read (/proc/PID/status, /proc/PID/fd), then the chaos, then a settle.
+files and RSS are read (/proc/PID/status, /proc/PID/fd; its RPC pools filled first, see
+fill_pools), then the chaos, then a settle and the same reading.
 
 Checks (printed, and in --report JSON; exit status 0 when all hold): every session ended as
 its kind expects, with a documented code and a message, never UNKNOWN, none past its
 deadline; each fault's anchor ended as the fault expects; no session opened on a draining
 worker; a killed decoder came back and its worker completed a session after it; every worker
 answers health within 1 s; threads, open files and RSS ended within `Tolerance` of the
-warm-up's; no traceback in the workers' logs and (real workers) no UNKNOWN or INTERNAL in
-`characters_rpc_errors_total`.
+warm-up's; no traceback in the workers' logs and (real workers, from their metrics) no
+UNKNOWN or INTERNAL in `characters_rpc_errors_total`, nothing admitted, no busy pool thread
+and no live session once every client has gone.
 
 The same engine runs in the suite (tests/test_serving_chaos.py), on fake-model workers.
 """
@@ -52,7 +56,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -63,10 +67,10 @@ from characters_jax.client.character_client import CharacterClient
 from characters_jax.client.credentials import ClientCredentials
 from characters_jax.client.playout_clock import PlayoutClock
 from characters_jax.client.targets import open_channel, parse_target
+from characters_jax.config import RpcLimits
 from characters_jax.processes import child_env
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving.admission import RpcLimits
 from characters_jax.wire.service import PCM_FORMAT, SERVICE_NAME
 
 # The codes the service documents (README "Serving", "Security"; docs/deploy.md): a session
@@ -485,6 +489,18 @@ def plan_session(kind: str, rng: random.Random, image: bytes) -> SessionPlan:
     raise ValueError(f"unknown session kind {kind!r}")
 
 
+def session_plans(seed: int, phase: str, client: int, kinds: Sequence[str]) -> Iterator[SessionPlan]:
+    """The sessions a client runs in a phase, one after another, drawn from the seed: the
+    first of kind `kinds[client % len(kinds)]` (so that with as many clients as kinds, each
+    kind runs in every phase), then kinds by their weights."""
+    rng = random.Random(f"{seed}/{phase}/client{client}")
+    weights = [KINDS[k][0] for k in kinds]
+    image = png(rng.randrange(1 << 30))
+    yield plan_session(kinds[client % len(kinds)], rng, image)
+    while True:
+        yield plan_session(rng.choices(list(kinds), weights)[0], rng, image)
+
+
 @dataclasses.dataclass
 class Outcome:
     """How one session went, as its client saw it (times: time.monotonic())."""
@@ -625,15 +641,22 @@ class SessionRunner:
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """At `at_s` into the chaos phase, `kind` ("drain" | "decoder_kill") hits the worker of an
-    anchor session opened `lead_s` before."""
+    anchor session that opens `lead_s` before (at the phase's start at the earliest)."""
 
     kind: str
     at_s: float
-    lead_s: float = 1.0
+    lead_s: float = 3.0
+
+    @property
+    def opens_at_s(self) -> float:
+        return max(0.0, self.at_s - self.lead_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class ChaosOptions:
+    """The traffic (clients, health-watch churn threads, kinds of session), the phases'
+    lengths, the deadlines and the resource tolerance of a chaos run; `seed` draws it all."""
+
     clients: int = 20
     warmup_s: float = 10.0
     chaos_s: float = 180.0
@@ -648,13 +671,13 @@ class ChaosOptions:
     tolerance: Tolerance = Tolerance()
 
 
-def fault_schedule(rng: random.Random, chaos_s: float, kinds: Sequence[str]) -> list[Fault]:
+def fault_schedule(rng: random.Random, chaos_s: float, kinds: Sequence[str], lead_s: float = 3.0) -> list[Fault]:
     """The faults in slots spread over the chaos phase (each at a random point of the middle
-    half of its slot), in a seed-shuffled order."""
+    half of its slot), in a seed-shuffled order; each anchor opens lead_s before its fault."""
     kinds = list(kinds)
     rng.shuffle(kinds)
     slot = chaos_s / (len(kinds) + 1)
-    return [Fault(kind, slot * (i + 0.75) + rng.uniform(0, slot * 0.5)) for i, kind in enumerate(kinds)]
+    return [Fault(kind, slot * (i + 0.75) + rng.uniform(0, slot * 0.5), lead_s) for i, kind in enumerate(kinds)]
 
 
 class ChaosRun:
@@ -668,6 +691,8 @@ class ChaosRun:
         creds = tls.credentials if tls else None
         self.runner = SessionRunner(self.target, creds, tls.wrong_token if tls else None, options.open_timeout_s, options.session_budget_s)
         self.outcomes: list[Outcome] = []
+        self._gate = threading.Event()  # clients start new sessions while it is set (an anchor waiting to open clears it)
+        self._gate.set()
         self.opens: list[tuple[str, float]] = []  # (worker, when) of every session a worker took
         self._events = threading.Condition()  # notified when a session opens or ends
         self.anchors: list[dict] = []
@@ -683,13 +708,12 @@ class ChaosRun:
         """Sessions one after another until `stop`: on one channel, except those that close
         theirs or present a wrong token (a channel of their own); a hung session's channel
         is replaced."""
-        rng = random.Random(f"{self.options.seed}/{phase}/client{index}")
-        kinds = list(self.options.kinds)
-        weights = [KINDS[k][0] for k in kinds]
-        image = png(rng.randrange(1 << 30))
+        plans = session_plans(self.options.seed, phase, index, self.options.kinds)
         client = None
         while not stop.is_set():
-            plan = plan_session(rng.choices(kinds, weights)[0], rng, image)
+            if not self._gate.wait(0.1):
+                continue
+            plan = next(plans)
             own_channel = plan.drop == "close" or plan.wrong_token
             if client is None:
                 client = self.runner.client()
@@ -734,20 +758,27 @@ class ChaosRun:
                 channel.close()
             stop.wait(rng.uniform(0.0, 0.05))
 
-    def _traffic(self, phase: str, seconds: float, during: Callable[[float], None] | None = None) -> None:
-        """Clients and churn for `seconds` (and `during(t0)` on this thread), then waits for
-        every client's session in flight to end."""
+    def _traffic(self, phase: str, seconds: float, faults: bool = False) -> None:
+        """Clients and churn for `seconds` (with the faults: and until the last one's
+        recovery), then waits for every client's session in flight to end."""
         stop = threading.Event()
         threads = [threading.Thread(target=self._client_loop, args=(i, stop, phase), name=f"chaos-client{i}", daemon=True)
                    for i in range(self.options.clients)]
         threads += [threading.Thread(target=self._churn_loop, args=(i, stop), name=f"chaos-churn{i}", daemon=True)
                     for i in range(self.options.churn_threads)]
+        t0 = time.monotonic()
+        armed, failure = threading.Event(), []
+        faulter = threading.Thread(target=self._run_faults, args=(t0, armed, failure), name="chaos-faults", daemon=True)
+        if faults:
+            faulter.start()
+            armed.wait()  # an anchor that opens at the start has closed the gate: it goes first
         for t in threads:
             t.start()
-        t0 = time.monotonic()
         try:
-            if during is not None:
-                during(t0)
+            if faults:
+                faulter.join()
+                if failure:
+                    raise failure[0]
             stop.wait(max(0.0, t0 + seconds - time.monotonic()))
         finally:
             stop.set()
@@ -759,11 +790,25 @@ class ChaosRun:
             raise RuntimeError(f"threads still running past every deadline: {alive}")
 
     # -- faults ---------------------------------------------------------------------------------
-    def _run_faults(self, t0: float) -> None:
+    def _run_faults(self, t0: float, armed: threading.Event, failure: list) -> None:
+        """The faults one after another; `armed` is set once the first anchor is under way
+        or later than now; an exception lands in `failure`."""
         rng = random.Random(f"{self.options.seed}/faults")
-        for fault in self.faults:
-            self._sleep_until(t0 + fault.at_s - fault.lead_s)
-            self.anchors.append(self._fault(fault, t0, rng))
+        try:
+            for fault in self.faults:
+                if t0 + fault.opens_at_s > time.monotonic():
+                    armed.set()
+                    self._sleep_until(t0 + fault.opens_at_s)
+                self._gate.clear()  # no new client session until the anchor has its worker
+                armed.set()
+                try:
+                    self.anchors.append(self._fault(fault, t0, rng))
+                finally:
+                    self._gate.set()
+        except Exception as err:  # noqa: BLE001 (raised again by _traffic, on its thread)
+            failure.append(err)
+        finally:
+            armed.set()
 
     @staticmethod
     def _sleep_until(t: float) -> None:
@@ -786,7 +831,9 @@ class ChaosRun:
         anchor = threading.Thread(target=self.runner.run, args=(client, plan, out, on_open), name="chaos-anchor", daemon=True)
         anchor.start()
         report: dict = {"fault": fault.kind, "scheduled_s": round(fault.at_s, 2)}
-        if not opened.wait(self.options.open_timeout_s):
+        opened.wait(self.options.open_timeout_s)
+        self._gate.set()
+        if not opened.is_set():
             anchor.join(self.options.session_budget_s + 10)
             client.close()
             report["error"] = "the anchor session never opened"
@@ -838,7 +885,7 @@ class ChaosRun:
         warm = len(self.outcomes)
         self.log(f"warm-up: {warm} sessions; baseline {[(k, dataclasses.astuple(v)) for k, v in self.baseline.items()]}")
         t_chaos = time.monotonic()
-        self._traffic("chaos", self.options.chaos_s, self._run_faults)
+        self._traffic("chaos", self.options.chaos_s, faults=True)
         chaos_wall = time.monotonic() - t_chaos
         self.end_stats = self._settled(self.baseline)
         self.end_threads = {name: thread_names(w.pid) for name, w in self.by_id.items()}
@@ -953,6 +1000,7 @@ class ChaosRun:
         report = {
             "seed": self.options.seed, "workers": len(self.workers), "clients": self.options.clients, "tls": self.tls is not None,
             "warmup_sessions": warm, "chaos_s": round(chaos_wall, 1), "sessions": len(chaos), "by_code": by_code, "by_kind": by_kind,
+            "kinds_run": sorted({o.kind for o in everything}),
             "messages": messages, "first_chunk_s": _percentiles(firsts), "wait_for_worker_s": _percentiles(waits), "health_watches": self.watches,
             "health_watch_errors": self.watch_errors, "faults": [{k: v for k, v in a.items() if k not in ("hit", "exited", "restarted")} for a in self.anchors],
             "health_at_end_ms": health, "resources": resources, "tolerance": dataclasses.asdict(self.options.tolerance), "logs": logs,
