@@ -568,6 +568,8 @@ class SessionRunner:
         deadline.start()
         try:
             self._converse(client, plan, out, on_open)
+        except Exception as err:  # noqa: BLE001 - the client library failing is an outcome too (not a clear status)
+            out.code, out.message = f"client raised {type(err).__name__}", str(err)
         finally:
             deadline.cancel()
             out.ended = time.monotonic()
