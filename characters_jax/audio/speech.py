@@ -133,16 +133,17 @@ class SpeechTimeline:
         than n samples queued while a segment is open."""
         return self.queued < n and self._current is not None
 
-    def take(self, n: int, end_of_audio: bool = False) -> StepAudio:
+    def take(self, n: int, end_of_audio: bool = False, hold: Segment | None = None) -> StepAudio:
         """Places the next n timeline samples: queued speech first, then silence.
 
         end_of_audio: no audio follows; if this take empties the queue, the step's audio stops
-        at its last speech sample."""
+        at its last speech sample. hold: a segment not to start yet (its samples stay queued;
+        silence goes in their place)."""
         start = self.position
         audio = np.zeros(n, np.int16)
         spans, started, completed = [], [], []
         filled = 0
-        while filled < n and self._queue:
+        while filled < n and self._queue and self._queue[0][0] is not hold:
             seg, pcm, offset = self._queue[0]
             k = min(n - filled, len(pcm))
             audio[filled : filled + k] = pcm[:k]

@@ -26,6 +26,9 @@ class ImageLimits:
                 raise ValueError(f"image_{name}: must be >= 1, got {getattr(self, name)}")
 
 
+MAX_JITTER_BUFFER_S = 2.0  # the largest input jitter buffer a worker or a session may set
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerOptions:
     """A worker's sessions: how they open, pace, end and drain."""
@@ -36,6 +39,7 @@ class WorkerOptions:
     max_duration_s: float = 3600.0  # a session's longest run (a client may ask for less)
     idle_timeout_s: float = 120.0  # a session with no speech this long ends (a client may ask for less)
     max_queued_audio_s: float = 60.0  # speech received ahead of its step, at most
+    jitter_buffer_s: float = -1.0  # a speech segment starts once this much of it has arrived or its end is marked (-1: adaptive)
     drain_timeout_s: float = 300.0  # how long a draining worker lets its live session go on
     worker_id: str = ""  # reported in Session.worker_id ("": host name:port)
     max_connection_age_s: float = 0.0  # close client connections gracefully after this (0: never), so DNS clients re-resolve
@@ -47,6 +51,8 @@ class WorkerOptions:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.lead_chunks < 1:
             raise ValueError(f"lead_chunks: must be >= 1, got {self.lead_chunks}")
+        if not (self.jitter_buffer_s == -1 or 0 <= self.jitter_buffer_s <= MAX_JITTER_BUFFER_S):
+            raise ValueError(f"jitter_buffer_s: must be -1 (adaptive) or within [0, {MAX_JITTER_BUFFER_S:g}] seconds, got {self.jitter_buffer_s}")
         for name in ("drain_timeout_s", "max_connection_age_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")

@@ -11,12 +11,14 @@ config, audio, integrations; no worker, engine or model code) and `protos_gen` g
 there by that environment's grpcio-tools 1.69.0, whose code declares protobuf 5.29.0 and so
 loads on every protobuf runtime from 5.29 to 7.x. A `.pth` file adds the tree to the
 environment. The environment is made once: `.ready` there holds the requirements it was
-made with, and a change remakes it. Exit code 0 when ready; otherwise a message on stderr
+made with and a digest of protos/, and a change remakes it (the stubs alone when only the
+protos changed). Exit code 0 when ready; otherwise a message on stderr
 (pip's own, for a registry that cannot be reached) and exit code 1.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import shutil
@@ -37,9 +39,28 @@ def python_of(venv: pathlib.Path) -> pathlib.Path:
     return venv / "bin" / "python"
 
 
+def _protos_digest() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted((ROOT / "protos").glob("*.proto")))).hexdigest()
+
+
+def _stamp(name: str) -> str:
+    return "\n".join(REQUIREMENTS[name]) + f"\nprotos {_protos_digest()}"
+
+
 def is_ready(venv: pathlib.Path, name: str) -> bool:
     stamp = venv / READY
-    return stamp.exists() and stamp.read_text() == "\n".join(REQUIREMENTS[name])
+    return stamp.exists() and stamp.read_text() == _stamp(name)
+
+
+def _installed(venv: pathlib.Path, name: str) -> bool:
+    """The requirements are installed (the stubs may be older than the protos)."""
+    stamp = venv / READY
+    return stamp.exists() and stamp.read_text().rpartition("\nprotos ")[0] == "\n".join(REQUIREMENTS[name])
+
+
+def _generate_stubs(venv: pathlib.Path) -> None:
+    out = venv / "client" / "characters_jax" / "protos_gen"
+    subprocess.run([str(python_of(venv)), str(PACKAGE / "protos_build.py"), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
 
 
 def _site_packages(py: pathlib.Path) -> pathlib.Path:
@@ -68,14 +89,19 @@ def build(venv: pathlib.Path, name: str) -> None:
     shutil.copy(PACKAGE / "__init__.py", tree / "__init__.py")
     for pkg in CLIENT_PACKAGES:
         (tree / pkg).symlink_to(PACKAGE / pkg, target_is_directory=True)
-    subprocess.run([str(py), str(PACKAGE / "protos_build.py"), "--out", str(tree / "protos_gen")], check=True, stdout=subprocess.DEVNULL)
+    _generate_stubs(venv)
     (_site_packages(py) / "characters_jax_client.pth").write_text(str(venv / "client") + "\n")
-    (venv / READY).write_text("\n".join(requirements))
+    (venv / READY).write_text(_stamp(name))
 
 
 def ensure(venv: pathlib.Path, name: str) -> pathlib.Path:
     """The environment's interpreter, made first when missing or stale."""
-    if not is_ready(venv, name):
+    if is_ready(venv, name):
+        return python_of(venv)
+    if _installed(venv, name):  # only the protos changed
+        _generate_stubs(venv)
+        (venv / READY).write_text(_stamp(name))
+    else:
         build(venv, name)
     return python_of(venv)
 

@@ -10,7 +10,14 @@ the timeline) or when the session has to end:
     that is still arriving the step waits for the speech, but only until playback comes
     within `margin` steps of it (margin: the recent step cost in steps + 0.25, so the chunk
     still arrives in time): then silence is inserted, and the video never stops;
-  - with `begin_with_speech`, nothing runs before the first speech.
+  - with `begin_with_speech`, nothing runs before the first speech;
+  - a segment starts (its first sample is placed) only once `jitter_buffer_s` of it has
+    arrived, or its end is marked: the input jitter buffer, so speech that arrives at
+    real-time pace with some jitter plays without silence inside it. Until then a step that
+    must run places silence before the segment, never a piece of it. Adaptive (-1): 1.25
+    steps (the first step's audio and the quarter-step margin), the largest chunk the client
+    sends, and the arrival jitter the session has shown (`ArrivalJitter`; at least
+    ADAPTIVE_MIN_JITTER_S), at most ADAPTIVE_MAX_S.
 Waiting is on the condition variable with timeouts computed from the clocks and the
 limits, never a fixed sleep after a step. Every state change notifies it.
 
@@ -36,6 +43,38 @@ from characters_jax.audio.timeline import Timeline
 
 STARTED, STOPPED, FINISHED, INTERRUPTED = "SPEAKING_STARTED", "SPEAKING_STOPPED", "PLAYBACK_FINISHED", "INTERRUPTED"
 RUN = "run"
+ADAPTIVE_BASE_STEPS = 1.25  # the adaptive jitter buffer before the measured jitter: a step and the margin's quarter step
+ADAPTIVE_MAX_S = 1.0  # the adaptive jitter buffer's largest size
+ADAPTIVE_MIN_JITTER_S = 0.06  # the jitter the adaptive buffer allows at least (a session's first segment has no history)
+
+
+class ArrivalJitter:
+    """How late a session's speech arrives behind a steady real-time pace. Within a segment,
+    each chunk's arrival is compared with the time its last sample would exist at the sample
+    rate after the segment began, taking the earliest pace seen as the reference (a sender
+    that runs ahead of real time shows none); the estimate is the largest lateness of the
+    current and the previous segment, so it follows the sender both up and down."""
+
+    def __init__(self, sample_rate: int):
+        self.sample_rate = sample_rate
+        self._segment = 0
+        self._reference: float | None = None
+        self._current = 0.0
+        self._previous = 0.0
+        self.largest_chunk_s = 0.0  # a step's last sample comes with a whole chunk: up to this late
+
+    def arrived(self, segment: int, samples_before: int, samples: int, now: float) -> None:
+        if segment != self._segment:
+            self._segment, self._reference = segment, None
+            self._previous, self._current = self._current, 0.0
+        self.largest_chunk_s = max(self.largest_chunk_s, samples / self.sample_rate)
+        pace = now - (samples_before + samples) / self.sample_rate
+        self._reference = pace if self._reference is None else min(self._reference, pace)
+        self._current = max(self._current, pace - self._reference)
+
+    @property
+    def seconds(self) -> float:
+        return max(self._current, self._previous)
 
 
 class AudioAfterEnd(Exception):
@@ -172,14 +211,18 @@ class PlaybackPosition:
 
 class ConversationState:
     def __init__(self, timeline: Timeline, window: Callable, *, lead: int, playout_reports: bool, begin_with_speech: bool,
-                 limits: Limits, max_queued_samples: int, history_samples: int, emit: Callable, now: Callable[[], float] = time.monotonic):
+                 limits: Limits, max_queued_samples: int, history_samples: int, emit: Callable, now: Callable[[], float] = time.monotonic,
+                 jitter_buffer_s: float = 0.0):
         """window(read, s) -> step s's front-end window (AudioFrontEnd.window); emit(item)
-        puts a Note or a chunk on the stream (called under the lock)."""
+        puts a Note or a chunk on the stream (called under the lock); jitter_buffer_s: the
+        input jitter buffer (-1: adaptive; 0: a segment starts with its first step's audio)."""
         self.cond = threading.Condition()
         self.tl, self.window, self.lead = timeline, window, lead
         self.begin_with_speech, self.limits = begin_with_speech, limits
         self.speech = SpeechTimeline(max_queued_samples, history_samples)
         self.playback = PlaybackPosition(timeline.fps, playout_reports)
+        self.jitter_buffer_s = jitter_buffer_s
+        self.jitter = ArrivalJitter(timeline.sample_rate)
         self._emit, self.now = emit, now
         self.started_at = now()
         self.deadline = self.started_at + limits.max_duration_s
@@ -206,6 +249,7 @@ class ConversationState:
             if len(pcm) == 0:
                 return
             seg = self.speech.push(pcm)
+            self.jitter.arrived(seg.number, seg.received - len(pcm), len(pcm), self.now())
             self._segments.setdefault(seg.number, seg)
             self.speech_seen = True
             self.idle_since = self.now()
@@ -321,12 +365,34 @@ class ConversationState:
         if ahead >= self.lead:
             return _soonest(wakes + [self.playback.time_until((s - self.lead) * per + 1e-3, now)])
         n = self.tl.step_span(s)[1] - self.tl.step_span(s)[0]
+        held = self._held()
+        if held is not None and self.speech.queued - held.received < n:  # the step would reach the held segment
+            if self.playback.started and ahead < self.margin:
+                return RUN  # silence before the segment; it starts once its buffer is in
+            return _soonest(wakes + [self.playback.time_until((s - self.margin) * per + 1e-3, now)])
         if self.speech.must_wait(n) and not self.audio_ended:
             margin = self.margin
             if self.playback.started and ahead < margin:
                 return RUN  # the speech is late: silence goes in, the video goes on
             return _soonest(wakes + [self.playback.time_until((s - margin) * per + 1e-3, now)])
         return RUN
+
+    @property
+    def jitter_buffer_samples(self) -> int:
+        """Samples of a segment that must have arrived before it starts."""
+        if self.jitter_buffer_s >= 0:
+            return int(self.jitter_buffer_s * self.tl.sample_rate)
+        extra = self.jitter.largest_chunk_s + max(self.jitter.seconds, ADAPTIVE_MIN_JITTER_S)
+        seconds = min(ADAPTIVE_BASE_STEPS * self.tl.step_seconds + extra, ADAPTIVE_MAX_S)
+        return int(seconds * self.tl.sample_rate)
+
+    def _held(self):
+        """The open segment while it waits for its jitter buffer (nothing of it placed, its
+        end not marked, fewer samples in than the buffer), else None."""
+        seg = self.speech.open_segment
+        if seg is None or seg.spans or self.audio_ended or seg.received >= self.jitter_buffer_samples:
+            return None
+        return seg
 
     @property
     def margin(self) -> float:
@@ -337,7 +403,7 @@ class ConversationState:
         a, b = self.tl.step_span(s)
         if a != self.speech.position:
             raise RuntimeError(f"step {s} starts at sample {a}, the timeline is at {self.speech.position}")
-        audio = self.speech.take(b - a, end_of_audio=self.audio_ended)
+        audio = self.speech.take(b - a, end_of_audio=self.audio_ended, hold=self._held())
         plan = StepPlan(s, audio, self.window(self.speech.history, s), self._pending, [])
         self._pending = []
         for seg in audio.started:

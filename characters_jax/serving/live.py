@@ -46,6 +46,7 @@ class StreamOptions:
 
     playout_reports: bool
     begin_with_speech: bool
+    jitter_buffer_s: float | None = None  # the session's input jitter buffer (None: the worker's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,8 @@ class LiveSession:
         self.conv = ConversationState(
             tl, fe.window, lead=options.lead_chunks, playout_reports=stream.playout_reports, begin_with_speech=stream.begin_with_speech,
             limits=rec.limits, max_queued_samples=int(options.max_queued_audio_s * tl.sample_rate),
-            history_samples=fe.spec.window_samples + tl.max_step_samples, emit=self._emit)
+            history_samples=fe.spec.window_samples + tl.max_step_samples, emit=self._emit,
+            jitter_buffer_s=options.jitter_buffer_s if stream.jitter_buffer_s is None else stream.jitter_buffer_s)
         ctx.metrics.follow_conversation(self.conv)
         self._end_cond = threading.Condition()
         self._end: SessionEnd | None = None  # the first end posted (or the step loop's own, at the end)

@@ -19,6 +19,7 @@ from characters_jax.audio.features import AudioFrontEnd
 from characters_jax.audio.pcm import AudioFormatError, PcmFormat, check_format
 from characters_jax.audio.timeline import Timeline
 from characters_jax.config import Config, WorkerOptions
+from characters_jax.config.serve import MAX_JITTER_BUFFER_S
 from characters_jax.engine.interface import Generator
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
@@ -214,6 +215,10 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             check_format(PcmFormat(f.sample_rate_hz, f.channels, AUDIO_ENCODINGS.get(f.encoding, "unspecified")), self.ctx.config.audio.sample_rate)
         except AudioFormatError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        jitter_buffer_s = start.jitter_buffer_s if start.HasField("jitter_buffer_s") else None
+        if jitter_buffer_s is not None and not (jitter_buffer_s == -1 or 0 <= jitter_buffer_s <= MAX_JITTER_BUFFER_S):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"start.jitter_buffer_s: must be -1 (adaptive) or within [0, {MAX_JITTER_BUFFER_S:g}] seconds, "
+                          f"got {jitter_buffer_s}")
         which = start.WhichOneof("session")
         if which == "create":
             rec = self._open(start.create, context)
@@ -221,7 +226,7 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             rec = self._lookup(start.session_id, start.session_token, context)
         else:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: needs a session_id (from CreateSession on this worker) or `create` with an image")
-        live = LiveSession(rec, self.table, self.ctx, StreamOptions(start.playout_reports, start.begin_with_speech), self.options)
+        live = LiveSession(rec, self.table, self.ctx, StreamOptions(start.playout_reports, start.begin_with_speech, jitter_buffer_s), self.options)
         with self._live_lock:
             if not self.table.transition(rec, "RUNNING"):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {rec.session_id} is {rec.state}, not READY; create a new session")
