@@ -86,7 +86,7 @@ def test_the_ground_truth_with_other_motion_is_at_the_ceiling(clip):
     s = ref.score(other)
     assert s.colour_error < 0.5 and s.colour_error_reference < 1.0
     assert 0.9 < s.sharpness < 1.1 and 0.9 < s.sharpness_full < 1.1
-    assert abs(s.kid) < 0.2  # other blinks over 48 frames; the VAE round trip's is 0.3-1.6
+    assert abs(s.kid) < 0.25  # other blinks over 48 frames (0.03-0.17); the VAE round trip's is 0.3-1.6
     assert abs(ref.score(truth).kid) < 0.01 and ref.score(truth).colour_error == 0.0
 
 
