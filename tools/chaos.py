@@ -1053,7 +1053,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true", help="TLS and bearer tokens (a CA, a certificate and a token made for the run)")
     ap.add_argument("--config", default="tiny", help="the workers' config (default: tiny)")
     ap.add_argument("--warmup", type=float, default=15.0, help="seconds of traffic before the baseline is read")
-    ap.add_argument("--drain-timeout", type=float, default=2.0, help="the workers' drain timeout (seconds)")
+    ap.add_argument("--drain-timeout", type=float, default=2.0, help="the workers' serve.drain_timeout_s (seconds)")
     ap.add_argument("--churn-threads", type=int, default=4)
     ap.add_argument("--decoder-kills", type=int, default=None, help="default: one a minute (at least one)")
     ap.add_argument("--drains", type=int, default=None, help="default: one every two minutes (at least one)")
