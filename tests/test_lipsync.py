@@ -160,5 +160,5 @@ def test_the_lipsync_command_rejects_bad_arguments(tmp_path, capsys):
 
     assert main(["lipsync", "score", "--data", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
-    assert main(["lipsync", "evaluate", "--clips", "1"]) == 2
-    assert "at least 2" in capsys.readouterr().err
+    assert main(["lipsync", "evaluate", "--set", "evaluate.clips=1"]) == 2
+    assert "evaluate.clips: must be at least 2" in capsys.readouterr().err
