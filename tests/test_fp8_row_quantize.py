@@ -155,8 +155,8 @@ def test_block_with_the_kernels_as_its_inputs(monkeypatch):
 
     def run(ops):
         body = lambda x, shared, cache, frame: block(x, shared, ops, cache, frame, jnp.int32(0))  # noqa: E731
-        return jax.shard_map(body, mesh=make_mesh(1), in_specs=P(), out_specs=P(),
-                             check_vma=False)(x, shared, kvc.empty_cache(layout), frame)
+        return jax.jit(jax.shard_map(body, mesh=make_mesh(1), in_specs=P(), out_specs=P(),
+                                     check_vma=False))(x, shared, kvc.empty_cache(layout), frame)
 
     real, prologues = rq._pallas, []
     monkeypatch.setattr(rq, "_pallas", lambda *a, **k: prologues.append(k["prologue"]) or real(
