@@ -185,6 +185,42 @@ class SpeechTimeline:
         self.end_segment()
         return list(hit.values())
 
+    def export(self, segments=()) -> tuple[dict, dict[str, np.ndarray]]:
+        """The timeline's state: JSON-ready fields (with every segment it or `segments`
+        refer to) and its arrays (the queued speech, concatenated, and the history)."""
+        refer = {seg.number: seg for seg, _, _ in self._queue}
+        refer.update((seg.number, seg) for seg in segments)
+        if self._current is not None:
+            refer[self._current.number] = self._current
+        meta = {"max_queued": self.max_queued, "queued": self.queued, "position": self.position, "count": self._count,
+                "current": self._current.number if self._current is not None else None,
+                "queue": [[seg.number, offset, len(pcm)] for seg, pcm, offset in self._queue],
+                "segments": [dataclasses.asdict(seg) for seg in sorted(refer.values(), key=lambda x: x.number)]}
+        pcm = np.concatenate([pcm for _, pcm, _ in self._queue]) if self._queue else np.zeros(0, np.int16)
+        return meta, {"queued_pcm": pcm.astype(np.int16), "history": self._history.copy()}
+
+    @classmethod
+    def restored(cls, meta: dict, arrays: dict[str, np.ndarray]) -> tuple["SpeechTimeline", dict[int, Segment]]:
+        """A timeline from `export`'s fields and arrays, and its segments by number (the
+        objects the timeline refers to). Raises ValueError when they do not agree."""
+        history = np.asarray(arrays["history"], np.int16)
+        tl = cls(int(meta["max_queued"]), len(history))
+        segs = {int(d["number"]): Segment(int(d["number"]), int(d["received"]), int(d["placed"]), int(d["dropped"]), bool(d["ended"]),
+                                          [Span(**{k: int(v) for k, v in sp.items()}) for sp in d["spans"]]) for d in meta["segments"]}
+        pcm = np.asarray(arrays["queued_pcm"], np.int16)
+        at = 0
+        for number, offset, n in meta["queue"]:
+            if number not in segs or at + n > len(pcm):
+                raise ValueError("the speech queue does not agree with its samples or segments")
+            tl._queue.append((segs[number], pcm[at : at + n].copy(), int(offset)))
+            at += n
+        if at != len(pcm) or at != int(meta["queued"]):
+            raise ValueError(f"the speech queue holds {at} samples, its record says {meta['queued']} ({len(pcm)} stored)")
+        tl.queued, tl.position, tl._count = at, int(meta["position"]), int(meta["count"])
+        tl._current = segs.get(meta["current"]) if meta["current"] is not None else None
+        tl._history = history.copy()
+        return tl, segs
+
     def history(self, lo: int, hi: int) -> np.ndarray:
         """Timeline samples [lo, hi) already placed, int16 (the part before 0 or not yet placed
         is left out; the part older than the kept history reads as zeros)."""

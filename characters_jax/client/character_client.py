@@ -181,20 +181,23 @@ class CharacterClient:
     def conversation(self, session_id: str = "", *, image: bytes | None = None, prompt: str = "", seed: int = 0,
                      limits: pb.SessionLimits | None = None, playout: PlayoutClock | None = None, playout_reports: bool | None = None,
                      begin_with_speech: bool = False, audio_format: pb.AudioFormat = PCM_FORMAT,
-                     open_timeout: float | None = 300.0, session_token: str | None = None, jitter_buffer_s: float | None = None) -> ConversationStream:
+                     open_timeout: float | None = 300.0, session_token: str | None = None, jitter_buffer_s: float | None = None,
+                     resumable: bool = True) -> ConversationStream:
         """Opens a Converse stream: of `session_id` (from create_session on this worker;
         session_token as in get_session), or a new session from `image`. playout: a
         PlayoutClock that plays and reports (else the caller reports, or, with
         playout_reports=False, the worker paces by its wall clock). open_timeout: how long to
         wait for a worker to take the session (balanced: for one to be idle). jitter_buffer_s:
-        the session's input jitter buffer (None: the worker's; -1: adaptive)."""
+        the session's input jitter buffer (None: the worker's; -1: adaptive). resumable: the
+        session goes on on another worker when its worker drains or fails after a snapshot
+        (workers with a snapshot store; client/resume.py)."""
         if session_id:
             self._direct("a conversation on an existing session")
         token = self.session_token(session_id) if session_token is None else session_token
         reports = playout is not None if playout_reports is None else playout_reports
         start = start_request(session_id=session_id, session_token=token, image=image, prompt=prompt, seed=seed, limits=limits,
                               playout_reports=reports, begin_with_speech=begin_with_speech, audio_format=audio_format,
-                              jitter_buffer_s=jitter_buffer_s)
+                              jitter_buffer_s=jitter_buffer_s, resumable=resumable)
         return ConversationStream(self.stub, start, wait_for_ready=self.balanced, open_timeout=open_timeout, playout=playout,
                             reopen=self.reopen and not session_id, on_session=self._keep_token)
 

@@ -4,12 +4,14 @@
 After `interrupt()` the stream drops every chunk until the INTERRUPTED event (they carry
 speech past the position), and flushes its PlayoutClock. A stream that a worker refuses
 (RESOURCE_EXHAUSTED, UNAVAILABLE) before its Session may open a new call, with jittered
-backoff, until its open_timeout.
+backoff, until its open_timeout. A resumable session goes on across workers (client/resume.py):
+the stream resumes it when its worker hands it over or fails after a snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import random
 import threading
@@ -19,7 +21,8 @@ import grpc
 
 from characters_jax.client.errors import ConversationError
 from characters_jax.client.playout_clock import PlayoutClock
-from characters_jax.client.requests import END_OF_AUDIO, END_OF_SPEECH, audio_request, interrupt_request, playout_request
+from characters_jax.client.requests import END_OF_AUDIO, END_OF_SPEECH, SNAPSHOT, audio_request, interrupt_request, playout_request
+from characters_jax.client.resume import RESUME_RETRY_CODES, Resumption
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 
@@ -39,6 +42,11 @@ class _Receiver:
     def interrupted(self) -> None:
         with self._lock:
             self._unacked += 1
+
+    def reset_interrupts(self, unacked: int) -> None:
+        """A resumed stream acknowledges every interrupt it replays: `unacked` of them."""
+        with self._lock:
+            self._unacked = unacked
 
     def receive(self, resp: pb.ConverseResponse):
         kind = resp.WhichOneof("event")
@@ -79,7 +87,14 @@ class _Senders:
 
 class ConversationStream(_Senders):
     """One session's Converse stream (threads; see the module docstring). Iterate from one
-    thread; the senders may be called from any thread."""
+    thread; the senders may be called from any thread.
+
+    A resumable session (start.resumable) outlives its worker (client/resume.py): when the
+    worker hands it over (a drain) or the stream fails UNAVAILABLE after a snapshot, the
+    stream resumes the session through the same channel (a balanced target picks an idle
+    worker) and replays the inputs the snapshot lacks; the iteration goes on with the
+    resumed stream's Session and SessionResumed, then its chunks. `handovers` records each
+    resume's timing."""
 
     def __init__(self, stub, start: pb.ConverseRequest, *, wait_for_ready: bool, open_timeout: float | None,
                  playout: PlayoutClock | None = None, reopen: bool | None = None, on_session=None):
@@ -87,21 +102,27 @@ class ConversationStream(_Senders):
         reports it sends (its on_report is set here). reopen: when a worker refuses the
         session (RESOURCE_EXHAUSTED, UNAVAILABLE), open a new call until open_timeout
         (default: on a balanced channel, i.e. with wait_for_ready). on_session(session): called
-        with the Session when it arrives."""
+        with the Session when it arrives. A resume waits up to open_timeout for a worker."""
         self._on_session = on_session
-        self._outbox: queue.Queue = queue.Queue()
         self._rx = _Receiver()
-        self._opened = threading.Event()
+        self._resume = Resumption(start) if start.start.resumable else None
+        self._opened = threading.Event()  # the first Session came
         self._done = threading.Event()
         self._open_timed_out = False
         self._stub, self._start, self._wait_for_ready = stub, start, wait_for_ready
         self._reopen = wait_for_ready if reopen is None else reopen
+        self._open_timeout = open_timeout
         self._open_by = None if open_timeout is None else time.monotonic() + open_timeout
+        self._send_lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()  # the current call's: (input number or None, request), None ends it
+        self._call_ready = threading.Event()  # the current call may send: its Session (or SessionResumed) came
+        self._replay_from: int | None = None  # a resumed call: the inputs its snapshot holds
         self.attempts = 0
+        self.handovers: list[dict] = []
         self.playout = playout
         if playout is not None:
             playout.on_report = self.report_playout
-        self._call = self._new_call()
+        self._call = self._new_call(start, fresh_outbox=False)
         self._messages = self._receive()
         self._timer = None
         if open_timeout is not None:
@@ -109,9 +130,20 @@ class ConversationStream(_Senders):
             self._timer.daemon = True
             self._timer.start()
 
-    def _new_call(self):
-        self.attempts += 1
-        return self._stub.Converse(self._requests(self._start, self.attempts), wait_for_ready=self._wait_for_ready)
+    def _new_call(self, start: pb.ConverseRequest, fresh_outbox: bool):
+        """A new Converse call with `start`. fresh_outbox: a resume (the requests not yet sent
+        on the old call are inputs the replay holds, or playout reports)."""
+        with self._send_lock:
+            old_ready, old_outbox = self._call_ready, self._outbox
+            self.attempts += 1
+            self._call_ready = threading.Event()
+            if fresh_outbox:
+                self._outbox = queue.Queue()
+            ready, outbox, attempt = self._call_ready, self._outbox, self.attempts
+        old_ready.set()  # a refused call's request iterator returns
+        if fresh_outbox:
+            old_outbox.put(None)
+        return self._stub.Converse(self._requests(start, attempt, ready, outbox), wait_for_ready=self._wait_for_ready)
 
     @property
     def session(self) -> pb.Session | None:
@@ -121,26 +153,41 @@ class ConversationStream(_Senders):
     def final(self) -> pb.SessionEvent | None:
         return self._rx.final
 
+    @property
+    def resumption(self) -> Resumption | None:
+        """What a resume needs (None: the session is not resumable)."""
+        return self._resume
+
     def _open_expired(self, timeout: float) -> None:
         if not self._opened.is_set():
             self._open_timed_out = True
             self._call.cancel()
 
-    def _requests(self, start, attempt: int):
+    def _requests(self, start, attempt: int, ready: threading.Event, outbox: queue.Queue):
         yield start
-        self._opened.wait()  # only the start is ever buffered for a retry
-        if attempt != self.attempts:
+        ready.wait()  # only the start is ever buffered for a retry
+        if attempt != self.attempts or self._done.is_set():
             return  # a refused attempt's iterator: the messages belong to the call that opened
+        last = 0
+        if self._replay_from is not None:  # a resumed session: the inputs its snapshot lacks first
+            last, replay = self._resume.replay(self._replay_from)
+            yield from replay
         while not self._done.is_set():
-            item = self._outbox.get()
+            item = outbox.get()
             if item is None:
                 return
-            yield item
+            seq, request = item
+            if seq is not None and seq <= last:
+                continue  # replayed already
+            yield request
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, request: pb.ConverseRequest) -> None:
-        if not self._done.is_set():
-            self._outbox.put(request)
+        if self._done.is_set():
+            return
+        with self._send_lock:
+            seq = self._resume.stamp(request) if self._resume is not None else None
+            self._outbox.put((seq, request))
 
     def interrupt(self, frames_played: int | None = None) -> None:
         """Barge-in. With a PlayoutClock, it is flushed and its position sent; otherwise
@@ -152,10 +199,15 @@ class ConversationStream(_Senders):
         self._rx.interrupted()
         self.send(interrupt_request(frames_played, underruns))
 
+    def request_snapshot(self) -> None:
+        """Asks the worker for a snapshot at its next step boundary (a resumable session)."""
+        self.send(SNAPSHOT)
+
     def cancel(self) -> None:
         """Ends the stream now (the worker ends the session CANCELLED, CLIENT_GONE)."""
         self._done.set()
         self._opened.set()
+        self._call_ready.set()
         self._outbox.put(None)
         self._call.cancel()
 
@@ -173,29 +225,60 @@ class ConversationStream(_Senders):
 
     def _receive(self):
         backoff = 0.25
+        resume_by = None  # while a resume is opening: its deadline
         while True:
             try:
                 for resp in self._call:
+                    if self._resume is not None:
+                        resp = self._resume.receive(resp)
+                        if resp is None:
+                            continue
+                    if resp.WhichOneof("event") == "resumed":
+                        self._replay_from = resp.resumed.inputs
+                        self._rx.reset_interrupts(self._resume.interrupts_after(resp.resumed.inputs))
+                        self.handovers[-1]["resumed"] = time.monotonic()
+                        resume_by = None
+                        self._call_ready.set()
                     msg = self._rx.receive(resp)
                     if msg is None:
                         continue
-                    if isinstance(msg, pb.Session):
+                    if isinstance(msg, pb.Session) and not self._opened.is_set():
                         self._opened.set()
+                        self._call_ready.set()
                         if self._on_session is not None:
                             self._on_session(msg)
-                    elif isinstance(msg, pb.VideoChunk) and self.playout is not None:
-                        self.playout.add_frames(len(msg.frames))
+                    elif isinstance(msg, pb.VideoChunk):
+                        if self.handovers and "first_chunk" not in self.handovers[-1]:
+                            self.handovers[-1].update(first_chunk=time.monotonic(), first_step=msg.step_index)
+                        if self.playout is not None:
+                            self.playout.add_frames(len(msg.frames))
                     yield msg
+                if self._resume is not None and not self._done.is_set() and self._resume.can_resume(None):
+                    resume_by = self._begin_resume("migration", None)
+                    continue
                 break
             except grpc.RpcError as err:
+                code, now = err.code(), time.monotonic()
                 delay = backoff * random.uniform(0.5, 1.5)
-                if (self._reopen and not self._opened.is_set() and not self._done.is_set() and err.code() in REOPEN_CODES
-                        and (self._open_by is None or time.monotonic() + delay < self._open_by)):
-                    if not self._done.wait(delay) and not self._open_timed_out:
-                        backoff = min(2 * backoff, 2.0)
-                        self._call = self._new_call()
-                        if self._open_timed_out:  # the open timer fired meanwhile
-                            self._call.cancel()
+                if not self._done.is_set():
+                    if (self._reopen and not self._opened.is_set() and code in REOPEN_CODES
+                            and (self._open_by is None or now + delay < self._open_by)):
+                        if not self._done.wait(delay) and not self._open_timed_out:
+                            backoff = min(2 * backoff, 2.0)
+                            self._call = self._new_call(self._start, fresh_outbox=False)
+                            if self._open_timed_out:  # the open timer fired meanwhile
+                                self._call.cancel()
+                            continue
+                    elif resume_by is not None and (resume_by is math.inf or now + delay < resume_by) and code in RESUME_RETRY_CODES + (grpc.StatusCode.NOT_FOUND,):
+                        if not self._done.wait(delay):
+                            backoff = min(2 * backoff, 2.0)
+                            latest = code == grpc.StatusCode.NOT_FOUND  # its snapshot is gone: the session's newest
+                            self._resume.resumes -= 1
+                            self._call = self._new_call(self._resume.resume_start(latest=latest), fresh_outbox=False)
+                            continue
+                    elif resume_by is None and self._opened.is_set() and self._resume is not None and self._resume.can_resume(code):
+                        resume_by = self._begin_resume("recovery", code)
+                        backoff = 0.25
                         continue
                 self._finish()
                 if self._open_timed_out and err.code() == grpc.StatusCode.CANCELLED:
@@ -203,11 +286,20 @@ class ConversationStream(_Senders):
                 raise
         self._finish()
 
+    def _begin_resume(self, kind: str, code) -> float:
+        """Opens the resume of the last snapshot; returns its deadline (inf: none)."""
+        self.handovers.append({"kind": kind, "code": code.name if code is not None else "OK", "ended": time.monotonic(),
+                               "step": self._resume.snapshot.step})
+        self._replay_from = None
+        self._call = self._new_call(self._resume.resume_start(), fresh_outbox=True)
+        return math.inf if self._open_timeout is None else time.monotonic() + self._open_timeout
+
     def _finish(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self._done.set()
         self._opened.set()
+        self._call_ready.set()
         self._outbox.put(None)
         if self.playout is not None:
             self.playout.end()
@@ -225,36 +317,70 @@ class ConversationStream(_Senders):
 
 
 class AsyncConversationStream(_Senders):
-    """`ConversationStream` over grpc.aio: the same requests and the same dropping after an
-    interrupt; `async for item in conv` yields the same messages. Build it with
-    `AsyncConversationStream.open(channel, start_request(...), balanced=...)`."""
+    """`ConversationStream` over grpc.aio: the same requests, the same dropping after an
+    interrupt, and the same resumes of a resumable session (a drain's hand-over, or a
+    failure after a snapshot); `async for item in conv` yields the same messages. Build it
+    with `AsyncConversationStream.open(channel, start_request(...), balanced=...)`."""
 
-    def __init__(self, call, outbox: asyncio.Queue, rx: _Receiver, opened: asyncio.Event):
-        self._call, self._outbox, self._rx, self._opened = call, outbox, rx, opened
+    def __init__(self, stub, start: pb.ConverseRequest, balanced: bool, resume_timeout: float):
+        self._stub, self._balanced, self._resume_timeout = stub, balanced, resume_timeout
+        self._rx = _Receiver()
+        self._resume = Resumption(start) if start.start.resumable else None
+        self._closed = False
+        self._attempt = 0
+        self._outbox: asyncio.Queue = asyncio.Queue()  # the current call's: (input number or None, request), None ends it
+        self._ready = asyncio.Event()  # the current call may send: its Session (or SessionResumed) came
+        self._replay_from: int | None = None
+        self.handovers: list[dict] = []
+        self._call = self._new_call(start, fresh_outbox=False)
 
     @classmethod
-    def open(cls, channel: grpc.aio.Channel, start: pb.ConverseRequest, *, balanced: bool) -> "AsyncConversationStream":
-        outbox: asyncio.Queue = asyncio.Queue()
-        opened = asyncio.Event()
+    def open(cls, channel: grpc.aio.Channel, start: pb.ConverseRequest, *, balanced: bool,
+             resume_timeout: float = 300.0) -> "AsyncConversationStream":
+        """resume_timeout: how long a resume waits for a worker to take the session."""
+        return cls(characters_pb2_grpc.CharacterServiceStub(channel), start, balanced, resume_timeout)
+
+    def _new_call(self, start: pb.ConverseRequest, fresh_outbox: bool):
+        self._attempt += 1
+        old_ready, old_outbox = self._ready, self._outbox
+        self._ready = asyncio.Event()
+        if fresh_outbox:
+            self._outbox = asyncio.Queue()
+            old_outbox.put_nowait(None)
+        old_ready.set()
+        ready, outbox, attempt = self._ready, self._outbox, self._attempt
 
         async def requests():
             yield start
-            await opened.wait()
+            await ready.wait()
+            if attempt != self._attempt or self._closed:
+                return
+            last = 0
+            if self._replay_from is not None:
+                last, replay = self._resume.replay(self._replay_from)
+                for request in replay:
+                    yield request
             while True:
                 item = await outbox.get()
                 if item is None:
                     return
-                yield item
+                seq, request = item
+                if seq is None or seq > last:
+                    yield request
 
-        stub = characters_pb2_grpc.CharacterServiceStub(channel)
-        return cls(stub.Converse(requests(), wait_for_ready=balanced), outbox, _Receiver(), opened)
+        return self._stub.Converse(requests(), wait_for_ready=self._balanced)
 
     @property
     def session(self) -> pb.Session | None:
         return self._rx.session
 
+    @property
+    def resumption(self) -> Resumption | None:
+        return self._resume
+
     def send(self, request: pb.ConverseRequest) -> None:
-        self._outbox.put_nowait(request)
+        seq = self._resume.stamp(request) if self._resume is not None else None
+        self._outbox.put_nowait((seq, request))
 
     def interrupt(self, frames_played: int | None = None, underruns: int = 0) -> None:
         """frames_played: the client's playback position when it cut playback (it discards
@@ -263,19 +389,60 @@ class AsyncConversationStream(_Senders):
         self.send(interrupt_request(frames_played, underruns))
 
     def cancel(self) -> None:
-        self._opened.set()
+        self._closed = True
+        self._ready.set()
         self._outbox.put_nowait(None)
         self._call.cancel()
 
     async def __aiter__(self):
+        opened, resume_by, backoff = False, None, 0.25
         try:
-            async for resp in self._call:
-                msg = self._rx.receive(resp)
-                if msg is None:
-                    continue
-                if isinstance(msg, pb.Session):
-                    self._opened.set()
-                yield msg
+            while True:
+                try:
+                    async for resp in self._call:
+                        if self._resume is not None:
+                            resp = self._resume.receive(resp)
+                            if resp is None:
+                                continue
+                        if resp.WhichOneof("event") == "resumed":
+                            self._replay_from = resp.resumed.inputs
+                            self._rx.reset_interrupts(self._resume.interrupts_after(resp.resumed.inputs))
+                            self.handovers[-1]["resumed"] = time.monotonic()
+                            resume_by = None
+                            self._ready.set()
+                        msg = self._rx.receive(resp)
+                        if msg is None:
+                            continue
+                        if isinstance(msg, pb.Session) and not opened:
+                            opened = True
+                            self._ready.set()
+                        yield msg
+                    if self._resume is not None and not self._closed and self._resume.can_resume(None):
+                        resume_by = self._begin_resume("migration", None)
+                        continue
+                    return
+                except grpc.RpcError as err:
+                    code, now = err.code(), time.monotonic()
+                    delay = backoff * random.uniform(0.5, 1.5)
+                    if self._closed:
+                        raise
+                    if resume_by is not None and now + delay < resume_by and code in RESUME_RETRY_CODES + (grpc.StatusCode.NOT_FOUND,):
+                        await asyncio.sleep(delay)
+                        backoff = min(2 * backoff, 2.0)
+                        self._resume.resumes -= 1
+                        self._call = self._new_call(self._resume.resume_start(latest=code == grpc.StatusCode.NOT_FOUND), fresh_outbox=False)
+                        continue
+                    if resume_by is None and opened and self._resume is not None and self._resume.can_resume(code):
+                        resume_by, backoff = self._begin_resume("recovery", code), 0.25
+                        continue
+                    raise
         finally:
-            self._opened.set()
+            self._ready.set()
             self._outbox.put_nowait(None)
+
+    def _begin_resume(self, kind: str, code) -> float:
+        self.handovers.append({"kind": kind, "code": code.name if code is not None else "OK", "ended": time.monotonic(),
+                               "step": self._resume.snapshot.step})
+        self._replay_from = None
+        self._call = self._new_call(self._resume.resume_start(), fresh_outbox=True)
+        return time.monotonic() + self._resume_timeout

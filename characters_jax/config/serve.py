@@ -44,6 +44,10 @@ class WorkerOptions:
     worker_id: str = ""  # reported in Session.worker_id ("": host name:port)
     max_connection_age_s: float = 0.0  # close client connections gracefully after this (0: never), so DNS clients re-resolve
     image_limits: ImageLimits = dataclasses.field(default=ImageLimits(), metadata={"prefix": "image_"})
+    snapshot_dir: str = ""  # the snapshot store every worker mounts ("": none: sessions neither migrate nor resume here)
+    snapshot_interval_s: float = 0.0  # periodic snapshots of resumable sessions (0: none; a drain still migrates them)
+    snapshot_max_gib: float = 0.0  # the store's size limit; unclaimed sessions are removed oldest first (0: none)
+    snapshot_keep_s: float = 3600.0  # remove a session's snapshots once its newest is this old and no worker runs it (0: never)
 
     def __post_init__(self):
         for name in ("max_duration_s", "idle_timeout_s", "max_queued_audio_s", "ready_timeout_s", "encode_timeout_s"):
@@ -53,7 +57,7 @@ class WorkerOptions:
             raise ValueError(f"lead_chunks: must be >= 1, got {self.lead_chunks}")
         if not (self.jitter_buffer_s == -1 or 0 <= self.jitter_buffer_s <= MAX_JITTER_BUFFER_S):
             raise ValueError(f"jitter_buffer_s: must be -1 (adaptive) or within [0, {MAX_JITTER_BUFFER_S:g}] seconds, got {self.jitter_buffer_s}")
-        for name in ("drain_timeout_s", "max_connection_age_s"):
+        for name in ("drain_timeout_s", "max_connection_age_s", "snapshot_interval_s", "snapshot_max_gib", "snapshot_keep_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 

@@ -116,6 +116,21 @@ class VaeRuntime:
         """Empty temporal history: what a new session starts from."""
         return [jax.device_put(jnp.zeros(s.shape, s.dtype), self._device) for s in self._state_shapes]
 
+    def export_state(self, state) -> list[np.ndarray]:
+        """A stream's temporal state on the host (copies), in the decoder's order."""
+        return [np.array(s, copy=True) for s in state]
+
+    def import_state(self, arrays) -> list[jax.Array]:
+        """A stream's state from `export_state`'s arrays, on this process's device. Raises
+        ValueError naming the first array of another count, shape or dtype."""
+        shapes = self._state_shapes
+        if len(arrays) != len(shapes):
+            raise ValueError(f"the decoder state has {len(shapes)} arrays, got {len(arrays)}")
+        for i, (a, s) in enumerate(zip(arrays, shapes)):
+            if tuple(a.shape) != tuple(s.shape) or np.dtype(a.dtype) != np.dtype(s.dtype):
+                raise ValueError(f"decoder state array {i}: {np.dtype(a.dtype).name}{list(a.shape)}, expected {np.dtype(s.dtype).name}{list(s.shape)}")
+        return [jax.device_put(np.asarray(a), self._device) for a in arrays]
+
     def decode(self, state, latent) -> tuple[jax.Array, list[jax.Array]]:
         """(state, latent [grid_h, grid_w, C] f32) -> (frames [frames_per_step, H, W, 3] uint8, state)."""
         return self._decode(self._dec_params, state, jnp.asarray(latent, jnp.float32))

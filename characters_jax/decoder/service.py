@@ -17,7 +17,7 @@ import numpy as np
 
 from characters_jax.decoder.runtime import VaeRuntime
 from characters_jax.protos_gen import decoder_pb2, decoder_pb2_grpc
-from characters_jax.decoder.tensors import tensor_from_proto, tensor_to_proto
+from characters_jax.decoder.tensors import array_from_proto, array_to_proto, tensor_from_proto, tensor_to_proto
 
 log = logging.getLogger("characters_jax.decoder")
 
@@ -34,18 +34,32 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         n = 0
         for req in request_iterator:
             session = req.session_id
-            try:
-                latent = tensor_from_proto(req.latent, rt.latent_shape)
-            except ValueError as err:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latent: {err}")
+            if req.initial_state:
+                if n:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "initial_state: only a stream's first chunk may carry one")
+                try:
+                    state = rt.import_state([array_from_proto(t) for t in req.initial_state])
+                except ValueError as err:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initial_state: {err}")
+            latent = None
+            if req.HasField("latent") or not req.export_state:
+                try:
+                    latent = tensor_from_proto(req.latent, rt.latent_shape)
+                except ValueError as err:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latent: {err}")
             t0 = time.perf_counter()
+            reply = decoder_pb2.FrameChunk(step_index=req.step_index)
             with self._lock:
-                frames, state = rt.decode(state, latent)
-                frames = np.asarray(frames)
-            ms = (time.perf_counter() - t0) * 1e3
+                if latent is not None:
+                    frames, state = rt.decode(state, latent)
+                    frames = np.asarray(frames)
+                    _, reply.height, reply.width, _ = frames.shape
+                    reply.frames.extend(f.tobytes() for f in frames)
+                if req.export_state:
+                    reply.state.extend(array_to_proto(a) for a in rt.export_state(state))
+            reply.decode_ms = (time.perf_counter() - t0) * 1e3
             n += 1
-            _, h, w, _ = frames.shape
-            yield decoder_pb2.FrameChunk(step_index=req.step_index, width=w, height=h, frames=[f.tobytes() for f in frames], decode_ms=ms)
+            yield reply
         log.info("decode stream ended", extra={"fields": {"session_id": session, "chunks": n}})
 
     def Encode(self, request, context):

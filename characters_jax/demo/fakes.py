@@ -61,12 +61,36 @@ class FakeGenerator:
         """Compiles nothing; counts the warm-ups (`warmups`)."""
         self.warmups += 1
 
+    def capture_state(self) -> "FakeCapture":
+        """Its state is the step index alone (the latent of step n holds n)."""
+        return FakeCapture({"step": np.array(self._step_index, np.int64)}, self._step_index)
+
+    def restore_state(self, arrays, step_index: int) -> None:
+        if set(arrays) != {"step"} or np.shape(arrays["step"]) != ():
+            raise ValueError(f"the state does not fit this generator: arrays {sorted(arrays)}, expected ['step']")
+        self._step_index = int(step_index)
+        self.tokens_seen.clear()
+
+    def state_identity(self) -> dict:
+        return {"config_name": self.config.name, "generator": "fake"}
+
     def compiled_programs(self) -> int:
         return 0
 
 
+class FakeCapture:
+    """A captured FakeGenerator state (the engine's StateCapture interface)."""
+
+    def __init__(self, arrays: dict, step_index: int):
+        self._arrays, self.step_index = arrays, step_index
+
+    def arrays(self) -> dict:
+        return dict(self._arrays)
+
+
 class FakeVaeRuntime:
-    """The decoder runtime's interface (decoder/runtime.py: initial_state, decode, encode)."""
+    """The decoder runtime's interface (decoder/runtime.py: initial_state, decode, encode,
+    export_state, import_state); its streams have no temporal state."""
 
     def __init__(self, config: Config):
         v, m = config.video, config.model
@@ -75,6 +99,14 @@ class FakeVaeRuntime:
         self.decoded = 0
 
     def initial_state(self) -> list:
+        return []
+
+    def export_state(self, state) -> list:
+        return []
+
+    def import_state(self, arrays) -> list:
+        if len(arrays):
+            raise ValueError(f"the decoder state has 0 arrays, got {len(arrays)}")
         return []
 
     def decode(self, state, latent) -> tuple[np.ndarray, list]:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from characters_jax.config import Config
+from characters_jax.engine import snapshot
 from characters_jax.engine.step import Engine
 from characters_jax.parallel.sharding import make_mesh
 
@@ -159,6 +160,8 @@ class DiTGenerator:
             self.params = self.engine.init_params(jax.random.key(seed))
         self.state = programs.init_state() if programs is not None else self.engine.init_state()
         self._step_index = 0
+        self._copier = snapshot.StateCopier(self.engine.state_shardings)
+        self.weights_id = snapshot.weights_id(checkpoint, seed)
 
     @property
     def step_index(self) -> int:
@@ -191,6 +194,31 @@ class DiTGenerator:
         self._step_index += 1
         return latent
 
+    def capture_state(self) -> snapshot.StateCapture:
+        """A copy of the state after the steps taken so far, on its way to the host
+        (engine/snapshot.py); returns at once, the next step runs meanwhile. Its program
+        compiles at the first capture (the worker's warm-up captures once when snapshots
+        are on); it needs the device memory of one more state while the copy lives."""
+        return self._copier.capture(self.state, self._step_index)
+
+    def restore_state(self, arrays, step_index: int) -> None:
+        """Continues a session from `capture_state().arrays()` of a generator of the same
+        `state_identity()`: the next step is step `step_index`. Raises ValueError naming
+        the arrays that do not fit."""
+        problems = snapshot.check_arrays(arrays, self.state_shapes())
+        if problems:
+            raise ValueError("the state does not fit this generator: " + "; ".join(problems))
+        self.state = snapshot.restore(arrays, self.engine.state_shardings)
+        self._step_index = int(step_index)
+
+    def state_shapes(self) -> dict:
+        """name -> (shape, dtype name) of the state's arrays."""
+        return snapshot.state_shapes(self.engine.state_shapes())
+
+    def state_identity(self) -> dict:
+        """What this generator's state is valid for (engine/snapshot.py: identity)."""
+        return snapshot.identity(self.config, self.mesh.size, self.engine.options, self.weights_id)
+
     def warmup(self) -> None:
         """Runs the prefill of every prompt bucket and the step once (compiling what is not
         compiled yet), so that no session compiles; returns once they have run."""
@@ -204,4 +232,4 @@ class DiTGenerator:
         """Number of compiled executables held by this worker's programs."""
         e = self.engine
         held = 0 if self.programs is None else 1 + len(self.programs.prefill)
-        return held + sum(f._cache_size() for f in (e.prefill, e.step))
+        return held + sum(f._cache_size() for f in (e.prefill, e.step, self._copier.program))

@@ -47,4 +47,19 @@ class Generator(Protocol):
 
     def compiled_programs(self) -> int:
         """Compiled executables this generator holds (host-side, no device sync): bounded
-        by the config (the step and a prefill per prompt bucket), whatever the prompts."""
+        by the config (the step and a prefill per prompt bucket, and the state's copy once
+        a state was captured), whatever the prompts."""
+
+    def capture_state(self):
+        """A copy of the state after the steps taken so far, on its way to the host; the
+        next step may run at once. Returns an object whose `arrays()` waits for the copy
+        and returns {name: numpy array} and whose `step_index` is the steps taken."""
+
+    def restore_state(self, arrays, step_index: int) -> None:
+        """Continues a session from `capture_state().arrays()` of a generator with the same
+        `state_identity()`; the next step is `step_index`. ValueError when the arrays do
+        not fit (named)."""
+
+    def state_identity(self) -> dict:
+        """What a captured state is valid for, JSON-ready: the config's generative
+        sections, the tensor-parallel size, the engine options and the weights."""

@@ -76,6 +76,17 @@ class ArrivalJitter:
     def seconds(self) -> float:
         return max(self._current, self._previous)
 
+    def export(self, now: float) -> dict:
+        """Its state, clock readings as seconds relative to `now`."""
+        return {"segment": self._segment, "reference_in_s": None if self._reference is None else self._reference - now,
+                "current": self._current, "previous": self._previous, "largest_chunk_s": self.largest_chunk_s}
+
+    def restore(self, d: dict, now: float) -> None:
+        """`export`'s state, its clock readings rebased on `now`."""
+        self._segment, self._current, self._previous = int(d["segment"]), float(d["current"]), float(d["previous"])
+        self._reference = None if d["reference_in_s"] is None else now + float(d["reference_in_s"])
+        self.largest_chunk_s = float(d["largest_chunk_s"])
+
 
 class AudioAfterEnd(Exception):
     """Audio or end of speech after end of audio."""
@@ -85,6 +96,18 @@ class AudioAfterEnd(Exception):
 class Limits:
     max_duration_s: float
     idle_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """How step `step` was placed: the client inputs applied by then and whether a segment
+    was held back (its jitter buffer not full); `dropped`: an interrupt dropped its chunk.
+    The same inputs in the same order and the same hold place a step the same way."""
+
+    step: int
+    inputs: int
+    held: bool
+    dropped: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +121,7 @@ class Note:
     interrupted: bool = False
     played_samples: int = 0  # INTERRUPTED: samples of the playback timeline played
     resume_step: int = 0  # INTERRUPTED: the next step the stream carries
+    dropped: tuple[Placement, ...] = ()  # INTERRUPTED: the steps whose chunks it dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +146,14 @@ class End:
 @dataclasses.dataclass
 class StepPlan:
     """Step s as placed: its audio, the front end's window over the timeline [window_samples]
-    float32, and the notes that go before / after its chunk."""
+    float32, the notes that go before / after its chunk, and its placement."""
 
     step: int
     audio: StepAudio
     window: np.ndarray
     before: list[Note]
     after: list[Note]
+    placement: Placement | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +223,18 @@ class PlaybackPosition:
     def timeline_frames(self, now: float) -> float:
         return self.played(now) + self.skipped
 
+    def export(self, now: float) -> dict:
+        """Its state, the clock's start relative to `now`."""
+        return {"sent": self.sent, "reported": self.reported, "underruns": self.underruns, "skipped": self.skipped,
+                "t0_in_s": None if self._t0 is None else self._t0 - now}
+
+    def restore(self, d: dict, now: float, sent: int) -> None:
+        """`export`'s state rebased on `now`, with `sent` playback frames handed to the
+        client (what it holds when the stream resumes)."""
+        self.reported, self.underruns, self.skipped = int(d["reported"]), int(d["underruns"]), int(d["skipped"])
+        self._t0 = None if d["t0_in_s"] is None else now + float(d["t0_in_s"])
+        self.sent = sent
+
     def time_until(self, timeline_frames: float, now: float) -> float | None:
         """Seconds until the position reaches `timeline_frames` by the estimate; None when
         only a report or a sent chunk can get it there (they notify)."""
@@ -239,6 +276,9 @@ class ConversationState:
         self._segments: dict[int, Segment] = {}  # segments without PLAYBACK_FINISHED
         self._emitted: dict[int, set[str]] = {}  # segment -> kinds emitted
         self._pending: list[Note] = []  # notes for before the next chunk
+        self._boundary = False  # a snapshot is asked for (request_boundary)
+        self.inputs_applied = 0  # the client's inputs applied (audio, end of speech, interrupt, end of audio)
+        self._input_gate: int | None = None  # resuming: apply inputs up to this many, then wait (replay_step)
 
     # -- the client's requests (reader thread) -------------------------------------------
     def push_audio(self, pcm: np.ndarray) -> None:
@@ -246,7 +286,9 @@ class ConversationState:
         with self.cond:
             if self.audio_ended:
                 raise AudioAfterEnd("audio after end_of_audio")
+            self.inputs_applied += 1
             if len(pcm) == 0:
+                self.cond.notify_all()
                 return
             seg = self.speech.push(pcm)
             self.jitter.arrived(seg.number, seg.received - len(pcm), len(pcm), self.now())
@@ -259,12 +301,15 @@ class ConversationState:
         with self.cond:
             if self.audio_ended:
                 raise AudioAfterEnd("end_of_speech after end_of_audio")
+            self.inputs_applied += 1
             self._end_segment()
             self.idle_since = self.now()
             self.cond.notify_all()
 
-    def end_audio(self) -> None:
+    def end_audio(self, request: bool = True) -> None:
+        """request: the client's end_of_audio (an input), else the stream's half-close."""
         with self.cond:
+            self.inputs_applied += request
             self.audio_ended = True
             self._end_segment()
             self.cond.notify_all()
@@ -283,6 +328,7 @@ class ConversationState:
         segments' SPEAKING_STOPPED / PLAYBACK_FINISHED. Returns the INTERRUPTED note."""
         with self.cond:
             now = self.now()
+            self.inputs_applied += 1
             if frames_played is not None:
                 self.playback.report(frames_played, underruns)
             played = math.floor(self.playback.played(now))
@@ -291,6 +337,7 @@ class ConversationState:
             resume = self.next_step_index
             was_open = self.speech.open_segment
             self.speech.drop_queued()
+            dropped = tuple(dataclasses.replace(p.placement, dropped=True) for _, p in sorted(self.plans.items()) if p.placement)
             self.plans.clear()
             self._pending.clear()
             notes, cut = [], None
@@ -309,7 +356,7 @@ class ConversationState:
                 notes.append(Note(FINISHED, seg.number, at_seg, played_n, interrupted=True))
             skip = max(0, resume * self.tl.frames_per_step - at)
             ack = Note(INTERRUPTED, cut[0].number if cut else 0, position, cut[1] if cut else 0,
-                       played_samples=position - self.skipped_samples, resume_step=resume)
+                       played_samples=position - self.skipped_samples, resume_step=resume, dropped=dropped)
             self.playback.skipped += skip
             self.skipped_samples += self.tl.frame_start(at + skip) - position
             self.playback.truncate(played, now)
@@ -320,6 +367,12 @@ class ConversationState:
             self.idle_since = now
             self.cond.notify_all()
             return ack
+
+    def request_boundary(self) -> None:
+        """Wakes the step loop at its next boundary (next_step returns End "BOUNDARY")."""
+        with self.cond:
+            self._boundary = True
+            self.cond.notify_all()
 
     def cancel(self, end: End) -> bool:
         """Stops the step loop (the first reason wins). Returns False if already ended."""
@@ -332,9 +385,14 @@ class ConversationState:
 
     # -- the step loop -------------------------------------------------------------------
     def next_step(self, s: int) -> StepPlan | End:
-        """Blocks until step s may run (returns its plan) or the session ends (End)."""
+        """Blocks until step s may run (returns its plan) or the session ends (End), or
+        until a boundary is asked for (End "BOUNDARY": the step loop takes a snapshot
+        before step s and asks again)."""
         with self.cond:
             while True:
+                if self._boundary:
+                    self._boundary = False
+                    return End("BOUNDARY", "a snapshot is asked for")
                 decision = self.decide(s, self.now())
                 if decision is RUN:
                     return self._place(s)
@@ -399,12 +457,15 @@ class ConversationState:
         """Steps of playback lead below which a late segment gets silence instead of a wait."""
         return min(max(self.lead - 0.5, 0.25), 0.25 + self.step_cost_s / self.tl.step_seconds)
 
-    def _place(self, s: int) -> StepPlan:
+    def _place(self, s: int, held: bool | None = None) -> StepPlan:
+        """Places step s (held: hold the open segment back or not, as a replayed placement
+        says; None: as its jitter buffer decides)."""
         a, b = self.tl.step_span(s)
         if a != self.speech.position:
             raise RuntimeError(f"step {s} starts at sample {a}, the timeline is at {self.speech.position}")
-        audio = self.speech.take(b - a, end_of_audio=self.audio_ended, hold=self._held())
-        plan = StepPlan(s, audio, self.window(self.speech.history, s), self._pending, [])
+        hold = self._held() if held is None else (self.speech.open_segment if held else None)
+        audio = self.speech.take(b - a, end_of_audio=self.audio_ended, hold=hold)
+        plan = StepPlan(s, audio, self.window(self.speech.history, s), self._pending, [], Placement(s, self.inputs_applied, hold is not None))
         self._pending = []
         for seg in audio.started:
             (plan.before if seg.start == a else plan.after).append(Note(STARTED, seg.number, seg.start))
@@ -483,6 +544,102 @@ class ConversationState:
                         self._note(note)
                 self._note(Note(FINISHED, seg.number, at, played_n, interrupted=True))
 
+    # -- snapshots and resuming ----------------------------------------------------------
+    def export(self, next_step: int) -> tuple[dict, dict[str, np.ndarray]]:
+        """The conversation at the boundary before step `next_step` (the step loop calls it
+        between two steps): JSON-ready fields and arrays (the speech timeline's). Clock
+        readings are relative to the export. The notes of steps placed and not yet sent
+        count as emitted: their chunks go out before any later snapshot is announced."""
+        with self.cond:
+            if next_step != self.next_step_index:
+                raise RuntimeError(f"export at step {next_step}, the timeline has placed {self.next_step_index} steps")
+            now = self.now()
+            emitted = {n: set(kinds) for n, kinds in self._emitted.items()}
+            for plan in self.plans.values():
+                for note in plan.before + plan.after:
+                    if note.kind in (STARTED, STOPPED):
+                        emitted.setdefault(note.segment, set()).add(note.kind)
+            speech, arrays = self.speech.export(self._segments.values())
+            meta = {"next_step": next_step, "inputs": self.inputs_applied, "in_flight": len(self.plans), "speech": speech,
+                    "playback": self.playback.export(now), "jitter": self.jitter.export(now),
+                    "jitter_buffer_s": self.jitter_buffer_s, "begin_with_speech": self.begin_with_speech,
+                    "limits": dataclasses.asdict(self.limits), "started_in_s": self.started_at - now,
+                    "deadline_in_s": self.deadline - now, "idle_since_in_s": self.idle_since - now,
+                    "audio_ended": self.audio_ended, "speech_seen": self.speech_seen, "skipped_samples": self.skipped_samples,
+                    "epoch": self.epoch, "step_cost_s": self.step_cost_s, "segments": sorted(self._segments),
+                    "emitted": {str(n): sorted(kinds) for n, kinds in emitted.items()},
+                    "pending": [dataclasses.asdict(n) for n in self._pending]}
+            return meta, arrays
+
+    def restore(self, meta: dict, arrays: dict[str, np.ndarray], age_s: float = 0.0) -> None:
+        """Continues from `export`'s fields and arrays, before any step is placed here. The
+        client holds every chunk before the exported step; `age_s`: seconds since the
+        export (they count against the limits). Raises ValueError when the record does not
+        agree with itself."""
+        with self.cond:
+            base = self.now() - max(age_s, 0.0)
+            speech, segments = SpeechTimeline.restored(meta["speech"], arrays)
+            self.speech = speech
+            self._segments = {int(n): segments[int(n)] for n in meta["segments"]}
+            self._emitted = {int(n): set(kinds) for n, kinds in meta["emitted"].items()}
+            self._pending = [_note_from_dict(d) for d in meta["pending"]]
+            self.next_step_index = int(meta["next_step"])
+            self.inputs_applied = int(meta["inputs"])
+            self.jitter.restore(meta["jitter"], base)
+            held = self.next_step_index * self.tl.frames_per_step - int(meta["playback"]["skipped"])
+            self.playback.restore(meta["playback"], base, sent=held)
+            self._emitted_end = held
+            self.started_at, self.deadline = base + float(meta["started_in_s"]), base + float(meta["deadline_in_s"])
+            self.idle_since = base + float(meta["idle_since_in_s"])
+            self.audio_ended, self.speech_seen = bool(meta["audio_ended"]), bool(meta["speech_seen"])
+            self.skipped_samples, self.epoch = int(meta["skipped_samples"]), int(meta["epoch"])
+            self.step_cost_s = float(meta["step_cost_s"])
+            self.plans = {}
+            self.cond.notify_all()
+
+    def wait_input_turn(self) -> None:
+        """The reader, before it applies an input: waits while a resume regenerates the
+        steps placed before it (`replay_step`'s gate)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._input_gate is None or self.inputs_applied < self._input_gate or self.ended is not None)
+
+    def replay_step(self, s: int, placement: Placement, timeout: float) -> StepPlan | End:
+        """Resuming: places step s as it was placed before (`placement`), once exactly the
+        inputs applied then are applied again (the reader waits before later ones). A step
+        whose chunk the client has (not `dropped`) counts as sent, its notes as emitted;
+        its chunk is not sent again. Returns the plan, or an End (the session ends, or the
+        inputs do not come within `timeout` seconds: reason "REPLAY")."""
+        with self.cond:
+            self._input_gate = placement.inputs
+            self.cond.notify_all()
+            limit = self.now() + timeout
+            while self.inputs_applied < placement.inputs and self.ended is None:
+                left = limit - self.now()
+                if left <= 0:
+                    return End("REPLAY", f"step {s} was placed after input {placement.inputs}; the inputs replayed stop at "
+                                         f"{self.inputs_applied} after {timeout:g} s")
+                self.cond.wait(left)
+            if self.ended is not None:
+                return self.ended
+            if self.inputs_applied != placement.inputs:
+                return End("REPLAY", f"step {s} was placed after input {placement.inputs}; "
+                                     f"{self.inputs_applied} were applied before it here (the placements are out of order)")
+            plan = self._place(s, held=placement.held)
+            if not placement.dropped:
+                del self.plans[s]
+                for note in plan.before + plan.after:
+                    self._note(note, send=False)
+                first = s * self.tl.frames_per_step - self.playback.skipped
+                self._emitted_end = first + self.tl.frames_per_step
+                self.playback.on_sent(self.tl.frames_per_step, self.now())
+            return plan
+
+    def open_inputs(self) -> None:
+        """Resuming is done: the reader applies every input as it comes."""
+        with self.cond:
+            self._input_gate = None
+            self.cond.notify_all()
+
     # -- helpers (under the lock) --------------------------------------------------------
     def _end_segment(self) -> None:
         seg = self.speech.end_segment()
@@ -497,7 +654,8 @@ class ConversationState:
             return []
         return [Note(STOPPED, seg.number, position, samples, interrupted)]
 
-    def _note(self, note: Note) -> None:
+    def _note(self, note: Note, send: bool = True) -> None:
+        """Emits a note once (send=False: its bookkeeping only, for a chunk the client has)."""
         if note.kind in (STARTED, STOPPED, FINISHED):
             kinds = self._emitted.setdefault(note.segment, set())
             if note.kind in kinds:
@@ -506,7 +664,8 @@ class ConversationState:
         if note.kind == FINISHED:
             self._segments.pop(note.segment, None)
             self._emitted.pop(note.segment, None)
-        self._emit(note)
+        if send:
+            self._emit(note)
 
     def _check_playback(self, now: float) -> None:
         """PLAYBACK_FINISHED for every segment whose end playback has passed."""
@@ -532,6 +691,10 @@ class ConversationState:
             return True
         position = self.tl.frame_start(math.floor(self.playback.timeline_frames(now)))
         return any(seg.end is not None and seg.end > position for seg in self._segments.values())
+
+
+def _note_from_dict(d: dict) -> Note:
+    return Note(**{**d, "dropped": tuple(Placement(**p) for p in d.get("dropped", ()))})
 
 
 def _soonest(times) -> float | None:

@@ -8,6 +8,8 @@ session).
 Sessions: by state (live gauge, terminal counter), by end reason, refused sessions,
 interrupts, playout underruns (reported by clients), speech queued ahead of its step, and
 silence inserted inside speech segments whose audio arrived late.
+Snapshots: committed by kind, failures, bytes, the time from the boundary to the commit and
+the step loop's own share of it, the store's size; migrations and resumes.
 The process: decoder restarts and whether the decoder's channel is up, the health statuses,
 RPC errors by method and code, and the saturation of each RPC pool (threads, busy, queued)
 and admission counter (admitted, limit).
@@ -80,6 +82,15 @@ class WorkerMetrics:
         self.live_device_bytes = prom.Gauge("characters_live_device_bytes", "Bytes of live device arrays (after the last session)", registry=r)
         self.device_memory = prom.Gauge("characters_device_memory_bytes", "Device memory of the generator (summed over its devices) and, as decoder_*, of its decoder process, from the allocators", ["kind"], registry=r)
         self.live_device_arrays = prom.Gauge("characters_live_device_arrays", "Number of live device arrays (after the last session)", registry=r)
+        self.snapshots = prom.Counter("characters_snapshots", "Session snapshots committed to the store, by kind (PERIODIC, REQUESTED, MIGRATE)", ["kind"], registry=r)
+        self.snapshot_failures = prom.Counter("characters_snapshot_failures", "Session snapshots that failed (decoder, host copy or store), by kind", ["kind"], registry=r)
+        self.snapshot_bytes = prom.Counter("characters_snapshot_bytes", "Bytes of session snapshots written to the store", registry=r)
+        self.snapshot_seconds = prom.Histogram("characters_snapshot_seconds", "From a step boundary to its snapshot committed (the decoder's state, the host copies, the write)", buckets=_FIRST_FRAME_BUCKETS, registry=r)
+        self.snapshot_boundary_seconds = prom.Histogram("characters_snapshot_boundary_seconds", "What the step loop spends at a snapshot's boundary (the conversation's export, the state copy dispatched)", buckets=_STEP_BUCKETS, registry=r)
+        self.snapshot_store_bytes = prom.Gauge("characters_snapshot_store_bytes", "Bytes in the snapshot store (after this worker's last write)", registry=r)
+        self.migrations = prom.Counter("characters_migrations", "Sessions a drain moved off this worker (their MIGRATE snapshot handed to the client)", registry=r)
+        self.resumes = prom.Counter("characters_resumes", "Sessions resumed on this worker from a snapshot: migration (nothing to regenerate) or recovery (steps regenerated)", ["kind"], registry=r)
+        self.resume_seconds = prom.Histogram("characters_resume_seconds", "From a resume's start to its first new chunk handed to gRPC", buckets=_FIRST_FRAME_BUCKETS, registry=r)
         for s in STATES:
             self.sessions.labels(s).set(0)
         self._compiles = 0
@@ -136,6 +147,14 @@ class WorkerMetrics:
             start = self._segment_starts.pop(note.segment, None) if note.kind == STOPPED else None
         if start is not None and note.position - start > note.segment_samples:
             self.inserted_silence_seconds.inc((note.position - start - note.segment_samples) / sample_rate)
+
+    def snapshot_committed(self, committed, store) -> None:
+        """A snapshot is in the store (serving/snapshot.py's Committed; store: its
+        SnapshotStore, whose size is read here)."""
+        self.snapshots.labels(committed.kind).inc()
+        self.snapshot_bytes.inc(committed.bytes)
+        self.snapshot_seconds.observe(committed.snapshot_s)
+        self.snapshot_store_bytes.set(store.usage())
 
     # -- the process -------------------------------------------------------------------------
     def decoder_started(self, restarts: int) -> None:

@@ -55,6 +55,8 @@ class SessionRecord:
     steps: int = 0
     frames: int = 0
     token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    resumable: bool = False  # snapshotted and resumable (Session.resumable)
+    snapshot_interval_s: float = 0.0  # its periodic snapshots (0: none)
 
     @property
     def live(self) -> bool:
@@ -71,12 +73,13 @@ class SessionTable:
         self._keep = keep_finished
         self._on_change = on_change
 
-    def reserve(self, seed: int, prompt_tokens: int, limits: Limits) -> SessionRecord:
-        """Takes the slot with a NOT_READY session. Raises SlotBusy."""
+    def reserve(self, seed: int, prompt_tokens: int, limits: Limits, resumed: SessionRecord | None = None) -> SessionRecord:
+        """Takes the slot with a NOT_READY session (resumed: the record of a session that
+        goes on from a snapshot: its id, token and creation time are kept). Raises SlotBusy."""
         with self._lock:
             if self._live is not None:
                 raise SlotBusy(f"this worker is serving another session ({self._live.state}); one session per worker")
-            rec = SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000), limits)
+            rec = resumed or SessionRecord(uuid.uuid4().hex, seed, prompt_tokens, int(time.time() * 1000), limits)
             self._live = rec
         self._on_change(rec, None, False)
         return rec

@@ -12,6 +12,7 @@ import logging
 import math
 import secrets
 import threading
+import time
 
 import grpc
 
@@ -23,18 +24,21 @@ from characters_jax.config.serve import MAX_JITTER_BUFFER_S
 from characters_jax.engine.interface import Generator
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
-from characters_jax.serving.conversation import Chunk, Limits
+from characters_jax.serving.conversation import Chunk, Limits, Placement
 from characters_jax.serving.decoder_link import DecoderClient, DecoderUnavailable
 from characters_jax.serving.health import WorkerHealth
-from characters_jax.serving.live import LiveSession, SessionEnd, SpeechOut, StreamOptions
+from characters_jax.serving.live import LiveSession, ResumePlan, SessionEnd, SnapshotOut, SpeechOut, StreamOptions
 from characters_jax.serving.metrics import WorkerMetrics
 from characters_jax.serving.session import SessionRecord, SessionTable, SlotBusy
+from characters_jax.serving.snapshot import SessionSnapshots
+from characters_jax.serving.snapshot_store import SnapshotError, SnapshotStore
 from characters_jax.wire.images import ImageError, load_reference_image
 from characters_jax.wire.service import AUDIO_ENCODINGS
 
 log = logging.getLogger("characters_jax.serving.worker")
 
 END_WAIT_S = 10.0  # how long CloseSession and the drain wait for a running session's step loop to end it
+DECODER_WAIT_S = 5.0  # a resume waits this long for the decoder process (else UNAVAILABLE: the client tries another worker)
 
 __all__ = ["CharacterServicer", "WorkerContext", "WorkerOptions", "resolve_limits", "session_proto"]
 
@@ -42,7 +46,8 @@ __all__ = ["CharacterServicer", "WorkerContext", "WorkerOptions", "resolve_limit
 @dataclasses.dataclass
 class WorkerContext:
     """What sessions share: the config, the generator (used under its lock, through the
-    `Generator` protocol only), the audio front end, the decoder channel and the metrics."""
+    `Generator` protocol only), the audio front end, the decoder channel, the metrics and
+    the snapshot store (None: sessions neither migrate nor resume on this worker)."""
 
     config: Config
     generator: Generator
@@ -51,6 +56,7 @@ class WorkerContext:
     timeline: Timeline
     decoder: DecoderClient
     metrics: WorkerMetrics
+    snapshot_store: SnapshotStore | None = None
 
 
 def resolve_limits(requested: pb.SessionLimits, options: WorkerOptions) -> Limits:
@@ -72,7 +78,8 @@ def session_proto(rec: SessionRecord, cfg: Config, worker_id: str) -> pb.Session
         status_message=rec.status_message, steps=rec.steps, frames=rec.frames, created_unix_ms=rec.created_unix_ms,
         width=v.width, height=v.height, fps=v.fps, frames_per_step=v.frames_per_step, prompt_tokens=rec.prompt_tokens, seed=rec.seed,
         limits=pb.SessionLimits(max_duration_s=rec.limits.max_duration_s, idle_timeout_s=rec.limits.idle_timeout_s),
-        end_reason=pb.EndReason.Value(rec.end_reason), worker_id=worker_id,
+        end_reason=pb.EndReason.Value(rec.end_reason), worker_id=worker_id, resumable=rec.resumable,
+        snapshot_interval_s=rec.snapshot_interval_s,
     )
 
 
@@ -132,6 +139,65 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         log.info("session ready", extra=fields)
         return rec
 
+    def _resume(self, request: pb.ConverseRequest.Resume, context) -> tuple[SessionRecord, ResumePlan, object]:
+        """Finds the snapshot, claims the session, checks and loads the snapshot and the
+        client's placements, restores the generator: the session is READY again, with its
+        id and owner. Returns (record, plan, claim). Aborts with a clear status otherwise
+        (the protocol's resume errors)."""
+        store = self.ctx.snapshot_store
+        if store is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "resume: this worker has no snapshot store (serve.snapshot_dir); "
+                          "it cannot resume sessions")
+        if self.draining.is_set():
+            self._refuse(context, grpc.StatusCode.UNAVAILABLE, "this worker is draining (shutting down); resume the session on another worker")
+        busy = self.table.live
+        if busy is not None:
+            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"this worker is serving another session ({busy.state}); one session per worker")
+        step = request.step if request.HasField("step") else None
+        claim = None
+        try:
+            snap = store.read(request.session_id, request.session_token, step, self.ctx.generator.state_identity())
+            claim = store.claim(request.session_id, self.options.worker_id)
+            snap.load()
+            placements = replay_placements(request.placements, snap.step, int(snap.manifest["inputs"]))
+            if not self.ctx.decoder.wait_ready(DECODER_WAIT_S):
+                raise DecoderUnavailable(f"the decoder process at {self.ctx.decoder.address} is not reachable")
+            info = snap.manifest["session"]
+            resumed = SessionRecord(request.session_id, int(info["seed"]), int(info["prompt_tokens"]), int(info["created_unix_ms"]),
+                                    Limits(**info["limits"]), token=request.session_token)
+            rec = self.table.reserve(resumed.seed, resumed.prompt_tokens, resumed.limits, resumed=resumed)
+        except (SnapshotError, ValueError, DecoderUnavailable, SlotBusy) as err:
+            if claim is not None:
+                claim.release()
+            code = {ValueError: "FAILED_PRECONDITION", DecoderUnavailable: "UNAVAILABLE", SlotBusy: "RESOURCE_EXHAUSTED"}.get(type(err))
+            context.abort(getattr(grpc.StatusCode, code or err.code), f"resume: {err}")
+        fields = {"fields": {"session_id": rec.session_id, "step": snap.step, "regenerate": len(placements), "from_worker": snap.manifest["worker_id"]}}
+        try:
+            with self.ctx.generator_lock:
+                self.ctx.generator.restore_state(snap.group("generator"), snap.step)
+        except ValueError as err:
+            claim.release()
+            self.table.transition(rec, "FAILED", grpc.StatusCode.FAILED_PRECONDITION, str(err), "ERROR")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"resume: {err}")
+        self.table.transition(rec, "READY")
+        log.info("session resumed from a snapshot", extra=fields)
+        return rec, ResumePlan(snap, placements, max(0.0, time.time() - float(snap.manifest["taken_unix"]))), claim
+
+    def _session_snapshots(self, rec: SessionRecord, resumable: bool, claim=None) -> SessionSnapshots | None:
+        """The session's snapshots when it is resumable here (its claim taken unless given),
+        else None."""
+        store = self.ctx.snapshot_store
+        if store is None or not resumable:
+            return None
+        if claim is None:
+            try:
+                claim = store.claim(rec.session_id, self.options.worker_id)
+            except (SnapshotError, OSError) as err:
+                log.warning("the session cannot be snapshotted", extra={"fields": {"session_id": rec.session_id, "error": str(err)}})
+                return None
+        rec.resumable, rec.snapshot_interval_s = True, self.options.snapshot_interval_s
+        return SessionSnapshots(store, claim, self.options.snapshot_interval_s, self.ctx.metrics)
+
     def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
         self.ctx.metrics.refused.labels(code.name).inc()
         context.abort(code, message)
@@ -183,17 +249,22 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             log.warning("the session has not ended yet", extra=live.fields(reason=reason, waited_s=END_WAIT_S))
 
     def drain(self, timeout_s: float) -> str:
-        """SIGTERM: NOT_SERVING at once, no new sessions (UNAVAILABLE); the live session goes
-        on for up to `timeout_s`, then ends CANCELLED (DRAIN_TIMEOUT). Returns what happened:
-        "idle", "finished" (the session ended within the deadline) or "cancelled"."""
+        """SIGTERM: NOT_SERVING at once, no new sessions (UNAVAILABLE); a resumable live
+        session migrates (snapshot at its next step boundary, then it ends MIGRATED), any
+        other goes on for up to `timeout_s`, then ends CANCELLED (DRAIN_TIMEOUT). Returns
+        what happened: "idle", "migrated", "finished" (the session ended within the
+        deadline) or "cancelled"."""
         self.draining.set()
         self.health.drain()
         rec = self.table.live
         if rec is None:
             return "idle"
-        log.info("draining", extra={"fields": {"session_id": rec.session_id, "state": rec.state, "drain_timeout_s": timeout_s}})
+        live = self.live
+        migrating = live is not None and live.rec is rec and live.request_migration()
+        log.info("draining", extra={"fields": {"session_id": rec.session_id, "state": rec.state, "drain_timeout_s": timeout_s,
+                                               "migrating": migrating}})
         if self.table.wait_idle(timeout_s):
-            return "finished"
+            return "migrated" if rec.end_reason == "MIGRATED" else "finished"
         rec = self.table.live
         if rec is not None:
             self.end_session(rec, f"the worker is shutting down: the session outlived the drain timeout of {timeout_s:g} s", "DRAIN_TIMEOUT")
@@ -220,15 +291,25 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"start.jitter_buffer_s: must be -1 (adaptive) or within [0, {MAX_JITTER_BUFFER_S:g}] seconds, "
                           f"got {jitter_buffer_s}")
         which = start.WhichOneof("session")
+        resume, claim = None, None
+        stream = StreamOptions(start.playout_reports, start.begin_with_speech, jitter_buffer_s)
         if which == "create":
             rec = self._open(start.create, context)
         elif which == "session_id" and start.session_id:
             rec = self._lookup(start.session_id, start.session_token, context)
+        elif which == "resume":
+            rec, resume, claim = self._resume(start.resume, context)
+            conv = resume.snapshot.manifest["conversation"]  # the session's own stream options
+            stream = StreamOptions(start.playout_reports, bool(conv["begin_with_speech"]), float(conv["jitter_buffer_s"]))
         else:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: needs a session_id (from CreateSession on this worker) or `create` with an image")
-        live = LiveSession(rec, self.table, self.ctx, StreamOptions(start.playout_reports, start.begin_with_speech, jitter_buffer_s), self.options)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: needs a session_id (from CreateSession on this worker), `create` "
+                          "with an image, or `resume` with a snapshot")
+        snapshots = self._session_snapshots(rec, start.resumable or resume is not None, claim)
+        live = LiveSession(rec, self.table, self.ctx, stream, self.options, snapshots, resume)
         with self._live_lock:
             if not self.table.transition(rec, "RUNNING"):
+                if snapshots is not None:
+                    snapshots.close(remove=False)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {rec.session_id} is {rec.state}, not READY; create a new session")
             self._live = live
         gone = functools.partial(live.request_end, SessionEnd("CANCELLED", grpc.StatusCode.CANCELLED, "the client went away (the RPC ended)", "CLIENT_GONE"))
@@ -236,11 +317,18 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
         if not context.add_callback(gone):  # it ended while the session was opening
             gone()
             return
-        log.info("session running", extra=live.fields(playout_reports=start.playout_reports, begin_with_speech=start.begin_with_speech, lead_chunks=self.options.lead_chunks))
+        log.info("session running", extra=live.fields(playout_reports=start.playout_reports, begin_with_speech=start.begin_with_speech,
+                                                      lead_chunks=self.options.lead_chunks, resumable=rec.resumable))
         yield pb.ConverseResponse(session=self._owner_proto(rec) if which == "create" else self._proto(rec))
+        if resume is not None:
+            self.ctx.metrics.resumes.labels("recovery" if resume.placements else "migration").inc()
+            m = resume.snapshot.manifest
+            yield pb.ConverseResponse(resumed=pb.SessionResumed(
+                step=resume.snapshot.step, inputs=int(m["inputs"]), regenerated_steps=len(resume.placements),
+                next_step=resume.snapshot.step + len(resume.placements), from_worker_id=str(m["worker_id"]), snapshot_age_s=resume.age_s))
         while True:
             match live.out.get():
-                case SpeechOut(message=message):
+                case SpeechOut(message=message) | SnapshotOut(message=message):
                     yield message
                 case Chunk(message=message, frames=frames, epoch=epoch):
                     yield message
@@ -252,3 +340,21 @@ class CharacterServicer(characters_pb2_grpc.CharacterServiceServicer):
                     if code != grpc.StatusCode.OK:
                         context.abort(code, message)
                     return
+
+
+def replay_placements(placements, step: int, inputs: int) -> tuple[Placement, ...]:
+    """The client's placements (StepPlacement protos) of the steps from a snapshot's `step`
+    on: they must follow it step by step, their inputs never below the snapshot's `inputs`
+    nor decreasing. Earlier steps are ignored. Raises ValueError saying what is wrong."""
+    out = []
+    for p in sorted((p for p in placements if p.step >= step), key=lambda p: p.step):
+        expected = step + len(out)
+        if p.step != expected:
+            raise ValueError(f"placements: step {p.step} where step {expected} follows the snapshot of step {step} "
+                             "(send every step received or dropped from the snapshot's step on)")
+        floor = out[-1].inputs if out else inputs
+        if p.inputs < floor:
+            raise ValueError(f"placements: step {p.step} placed after input {p.inputs}, before input {floor} of the step "
+                             "or snapshot before it")
+        out.append(Placement(int(p.step), int(p.inputs), bool(p.segment_held), bool(p.dropped)))
+    return tuple(out)
