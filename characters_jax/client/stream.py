@@ -94,7 +94,9 @@ class ConversationStream(_Senders):
     stream resumes the session through the same channel (a balanced target picks an idle
     worker) and replays the inputs the snapshot lacks; the iteration goes on with the
     resumed stream's Session and SessionResumed, then its chunks. `handovers` records each
-    resume's timing."""
+    resume: its kind (migration, recovery), the status that ended the old stream, the
+    snapshot's step, its monotonic times (ended, resumed, first_chunk), the first step sent
+    after it and the inputs replayed."""
 
     def __init__(self, stub, start: pb.ConverseRequest, *, wait_for_ready: bool, open_timeout: float | None,
                  playout: PlayoutClock | None = None, reopen: bool | None = None, on_session=None):
@@ -171,6 +173,7 @@ class ConversationStream(_Senders):
         last = 0
         if self._replay_from is not None:  # a resumed session: the inputs its snapshot lacks first
             last, replay = self._resume.replay(self._replay_from)
+            self.handovers[-1]["replayed"] = len(replay)
             yield from replay
         while not self._done.is_set():
             item = outbox.get()
@@ -358,6 +361,7 @@ class AsyncConversationStream(_Senders):
             last = 0
             if self._replay_from is not None:
                 last, replay = self._resume.replay(self._replay_from)
+                self.handovers[-1]["replayed"] = len(replay)
                 for request in replay:
                     yield request
             while True:

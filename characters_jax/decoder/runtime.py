@@ -72,6 +72,19 @@ def load_vae(checkpoint, cfg: Config):
     return params[0], params[1], w.stats
 
 
+def state_bytes(cfg: Config) -> int:
+    """Bytes of one decode stream's temporal state (what a session snapshot carries and the
+    decoder link sends and receives in one message), from the decoder's shapes."""
+    dec_def, dec, _, _ = vae_modules(cfg)
+    v, m = cfg.video, cfg.model
+    latent = jax.ShapeDtypeStruct((v.grid_h, v.grid_w, m.latent_channels), jnp.float32)
+    return _nbytes(jax.eval_shape(lambda p, z: nnx.merge(dec_def, p)(z[None], None)[1], dec, latent))
+
+
+def _nbytes(shapes) -> int:
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in shapes)
+
+
 class VaeRuntime:
     def __init__(self, cfg: Config, seed: int = 0, checkpoint=None):
         """checkpoint: a weights directory (trained VAE), or None: random weights from seed."""
@@ -111,6 +124,7 @@ class VaeRuntime:
         self._encode_video = jax.jit(_encode_video)
         shapes = jax.eval_shape(lambda p, z: nnx.merge(dec_def, p)(z[None], None)[1], self._dec_params, jax.ShapeDtypeStruct(self.latent_shape, jnp.float32))
         self._state_shapes = shapes
+        self.state_bytes = _nbytes(shapes)
 
     def initial_state(self) -> list[jax.Array]:
         """Empty temporal history: what a new session starts from."""

@@ -74,7 +74,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
 
 def start_decoder_server(runtime: VaeRuntime, address: str) -> tuple[grpc.Server, int]:
     """Starts serving on `address` (host:port, port 0 = any; or unix:PATH). Returns (server, port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)])
+    limit = max(64 << 20, getattr(runtime, "state_bytes", 0) + (1 << 20))  # a stream's state travels in one message
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
     decoder_pb2_grpc.add_DecoderServiceServicer_to_server(DecoderServicer(runtime), server)
     port = server.add_insecure_port(address)
     server.start()

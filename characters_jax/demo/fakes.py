@@ -72,7 +72,9 @@ class FakeGenerator:
         self.tokens_seen.clear()
 
     def state_identity(self) -> dict:
-        return {"config_name": self.config.name, "generator": "fake"}
+        from characters_jax.engine.snapshot import identity
+
+        return identity(self.config, 1, {"generator": "fake"}, "none")
 
     def compiled_programs(self) -> int:
         return 0

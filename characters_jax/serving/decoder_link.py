@@ -45,8 +45,13 @@ class DecoderClient:
 
     def __init__(self, address: str, config: Config):
         """Raises ValueError for an address off this machine (require_loopback)."""
+        from characters_jax.decoder.runtime import state_bytes
+
         self.address = require_loopback(address)
-        self.channel = grpc.insecure_channel(address, options=decoder_channel_options(config))
+        state = state_bytes(config) + (1 << 20)  # a snapshot's decoder state goes both ways in one message
+        options = [(k, max(v, state)) if k in ("grpc.max_receive_message_length", "grpc.max_send_message_length") else (k, v)
+                   for k, v in decoder_channel_options(config)]
+        self.channel = grpc.insecure_channel(address, options=options)
         self.stub = decoder_pb2_grpc.DecoderServiceStub(self.channel)
 
     def encode(self, rgb: np.ndarray, latent_shape, timeout: float = 120.0) -> np.ndarray:
