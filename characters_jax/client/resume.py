@@ -60,6 +60,7 @@ class Resumption:
         self._placements: dict[int, pb.StepPlacement] = {}
         self._events: set[tuple[int, int]] = set()
         self._last_step = -1
+        self._trimmed = 0  # the last input dropped from the log
         self.session: pb.Session | None = None  # the first Session
         self.token = start.start.session_token if start.start.WhichOneof("session") == "session_id" else ""
         self.snapshot: SnapshotRef | None = None
@@ -139,15 +140,20 @@ class Resumption:
 
     def _trim_log(self, inputs: int) -> None:
         while self._log and self._log[0][0] <= inputs:
-            self._log.popleft()
+            self._trimmed = self._log.popleft()[0]
 
     # -- resuming --------------------------------------------------------------------------
     def can_resume(self, code: grpc.StatusCode | None) -> bool:
         """Whether a stream that ended (code None: normally) goes on elsewhere: a hand-over
-        after MIGRATE, or a failure of RECOVER_CODES after a snapshot."""
+        after MIGRATE, or a failure of RECOVER_CODES after a snapshot whose later inputs the
+        log still holds (a session without periodic snapshots trims it by chunk placements)."""
         if not self.active or self.snapshot is None or self.resumes >= MAX_RESUMES:
             return False
-        return self.migrating if code is None else code in RECOVER_CODES
+        if code is None:
+            return self.migrating
+        with self._lock:  # a recovery replays every input after the snapshot: the log must still hold them
+            complete = self._trimmed <= self.snapshot.inputs
+        return complete and code in RECOVER_CODES
 
     def resume_start(self, latest: bool = False) -> pb.ConverseRequest:
         """The start of the next stream: the last snapshot (latest: the session's newest in
