@@ -13,8 +13,9 @@
             attention (bench_attention.py), stacked GEMM (bench_gemm_stacked.py), row
             quantization (bench_row_quantize.py), and with 2 GPUs or more the block's
             reduction (bench_gemm_allreduce.py)
-  numerics  ``characters-jax numerics``: the variants against the reference's spread, at
-            reduced depth (4 blocks, full width), 20 steps
+  gate      ``characters-jax gate latent``: the variants' latent distance against the
+            reference's run-to-run spread, random weights at reduced depth (4 blocks, full
+            width), 20 steps
   decoder   the VAE decoder alone (decoder_timing.py) and, with 2 GPUs or more, sharing a
             GPU of the generator (decoder_overlap.py)
   torch     the step against PyTorch (``benchmarks/torch_step.py``, its ``main(argv)``),
@@ -24,9 +25,10 @@ Every run is a subprocess under a time limit (``--timeout`` each, ``--deadline``
 run that would start with less than 30 s left is skipped), its output in ``logs/NAME.log``
 and its results in the results directory (``--out``; default ``$OUT/SUITE`` or
 ``out/bench/SUITE``; nothing is written into the source tree). The suite's table is printed
-last. Arguments after ``--`` go to every run of the suite (the bench, the numerics command,
+last. Arguments after ``--`` go to every run of the suite (the bench, the gate command,
 the benchmark scripts or torch_step). ``--set TABLE.KEY=VALUE`` (repeatable) goes to every
-bench and numerics run (``--set engine.attention=cudnn``, ``--set cache.mode=launch``).
+bench and gate run (``--set engine.attention=cudnn``, ``--set cache.mode=launch``; the gate's
+own tables too: ``--set gate.runs=3``).
 ``--trees`` runs step and share from other checkouts too (e.g. ``--trees . ../base .`` for
 an A/B/A comparison of two versions in one call; each runs its own ``characters_jax`` and
 its own copy of the config, with the same command line: versions that take ``--set``).
@@ -35,7 +37,7 @@ its own copy of the config, with the same command line: versions that take ``--s
     python3 benchmarks/run.py share --tp 4 --profile
     python3 benchmarks/run.py ablation --tp 2 --profile
     python3 benchmarks/run.py kernels --tp 4
-    python3 benchmarks/run.py numerics --tp 2 -- --runs 3
+    python3 benchmarks/run.py gate --tp 2 --set gate.runs=3
     python3 benchmarks/run.py ablation --dry-run          # the commands, nothing run
 """
 
@@ -70,8 +72,8 @@ ABLATION = (
     ("all", "+ quantization and qkv kernels: what 'auto' runs on Hopper", ("ring", "pallas", "pallas", "auto")),
 )
 ABLATION_KEYS = ("cache.mode", "engine.attention", "engine.reduce", "engine.kernels")
-NUMERICS_VARIANTS = ("ring-fp8", "fp8-attention", "qkv-kernel", "stacked-gemm-row", "quant-kernels",
-                     "fused-reduce", "ppermute", "production")
+GATE_VARIANTS = ("ring-fp8", "fp8-attention", "qkv-kernel", "stacked-gemm-row", "quant-kernels",
+                 "fused-reduce", "ppermute", "production")
 MULTI_GPU_VARIANTS = ("fused-reduce", "ppermute")
 
 
@@ -266,15 +268,15 @@ def suite_kernels(a, runner: Runner) -> None:
         print(f"gemm_allreduce: skipped (needs {tp_reduce} GPUs, found {gpu_count()})")
 
 
-def suite_numerics(a, runner: Runner) -> None:
-    variants = [v for v in NUMERICS_VARIANTS if a.tp > 1 or v not in MULTI_GPU_VARIANTS]
+def suite_gate(a, runner: Runner) -> None:
+    variants = [v for v in GATE_VARIANTS if a.tp > 1 or v not in MULTI_GPU_VARIANTS]
     timeout = a.timeout or 400
-    argv = [sys.executable, "-m", "characters_jax.cli", "numerics", "--config", str(config_path(a.config, ROOT)),
-            "--tp", str(a.tp), "--blocks", "4", "--steps", "20", "--runs", "4", "--decoder", "small",
-            "--variants", ",".join(variants), "--time-budget", str(int(timeout * 0.75)),
-            "--json", str(a.out / "numerics.json"), "--plot", str(a.out / "numerics.png"),
-            "--table", str(a.out / "numerics.md"), *set_flags(a.set)]
-    runner.run(Job("numerics", tuple(argv + a.extra), timeout, result=a.out / "numerics.json"))
+    own = ("model.num_blocks=4", "latent.steps=20", "gate.runs=4", "latent.decoder=small",
+           f"gate.time_budget_s={int(timeout * 0.75)}")
+    argv = [sys.executable, "-m", "characters_jax.cli", "gate", "latent", "--config", str(config_path(a.config, ROOT)),
+            "--tp", str(a.tp), "--variants", ",".join(variants), "--out", str(a.out / "gate"),
+            *set_flags(own + tuple(a.set))]  # the suite's items first: the caller's win
+    runner.run(Job("gate", tuple(argv + a.extra), timeout, result=a.out / "gate.json"))
 
 
 def suite_decoder(a, runner: Runner) -> None:
@@ -316,7 +318,7 @@ def suite_torch(a, runner: Runner) -> None:
 
 
 SUITES = {"step": suite_step, "share": suite_share, "ablation": suite_ablation, "kernels": suite_kernels,
-          "numerics": suite_numerics, "decoder": suite_decoder, "torch": suite_torch}
+          "gate": suite_gate, "decoder": suite_decoder, "torch": suite_torch}
 DEFAULT_TP = {"share": 4}
 
 
@@ -347,9 +349,9 @@ def kernels_table(outcomes) -> str:
     return "\n".join(parts) or "(no kernel results)"
 
 
-def numerics_table(outcomes, out: pathlib.Path) -> str:
-    md = out / "numerics.md"
-    return md.read_text() if md.exists() else "(no numerics table)"
+def gate_table(outcomes, out: pathlib.Path) -> str:
+    md = out / "gate.md"
+    return md.read_text() if md.exists() else "(no gate table)"
 
 
 def decoder_table(outcomes) -> str:
@@ -378,8 +380,8 @@ def table(suite: str, runner: Runner, out: pathlib.Path) -> str:
         return step_table(runner.outcomes)
     if suite == "kernels":
         return kernels_table(runner.outcomes)
-    if suite == "numerics":
-        return numerics_table(runner.outcomes, out)
+    if suite == "gate":
+        return gate_table(runner.outcomes, out)
     if suite == "decoder":
         return decoder_table(runner.outcomes)
     return ""
@@ -421,7 +423,14 @@ def main(argv=None) -> int:
     from characters_jax.config import ConfigError, load_config
 
     try:  # a bad --set item or config fails here, before any run starts
-        load_config(str(config_path(a.config, ROOT)), a.set).validate_tp(a.tp)
+        items = a.set
+        if a.suite == "gate":  # the gate's own tables beside the config's
+            from characters_jax.config.arguments import config_sets
+            from characters_jax.gate.options import gate_tables
+
+            items, gate_items = config_sets(a.set)
+            gate_tables(gate_items)
+        load_config(str(config_path(a.config, ROOT)), items).validate_tp(a.tp)
     except (ConfigError, OSError) as e:
         print(f"run.py {a.suite}: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "characters_jax.client.commands",  # talk
     "characters_jax.demo.commands",  # demo
     "characters_jax.viewer.commands",  # view
-    "characters_jax.numerics",  # numerics
+    "characters_jax.gate.commands",  # gate
     "characters_jax.data.commands",  # data
     "characters_jax.lipsync.commands",  # lipsync
     "characters_jax.train.commands",  # train

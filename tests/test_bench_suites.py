@@ -103,16 +103,22 @@ def test_attention_and_reduction_benchmarks_on_cpu(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_numerics_run_parses_and_names_known_variants(tp, tmp_path, capsys):
-    from characters_jax import numerics
-    from characters_jax.numerics import runs
+def test_gate_run_parses_and_names_known_variants(tp, tmp_path, capsys):
+    """The suite's command line parses as `characters-jax gate` and gives the settings it asks
+    for (its --set items reach the gate's tables and the config); a bad gate key exits 2."""
+    from characters_jax.gate import commands, runs
 
-    assert run.main(["numerics", "--tp", str(tp), "--dry-run", "--out", str(tmp_path)]) == 0
-    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[numerics]"))
+    assert run.main(["gate", "--tp", str(tp), "--dry-run", "--out", str(tmp_path), "--set", "gate.runs=3"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[gate]"))
     argv = line.split(" ", 3)[3].split()
     p = argparse.ArgumentParser()
-    numerics.register(p.add_subparsers())
-    args = p.parse_args(argv[argv.index("numerics"):])
+    commands.register(p.add_subparsers())
+    args = p.parse_args(argv[argv.index("gate"):])
     variants = args.variants.split(",")
     assert set(variants) <= set(runs.VARIANTS)
     assert ("fused-reduce" in variants) == (tp > 1)
+    settings = commands.settings_from_args(args)
+    assert settings.metrics == ("latent",) and settings.tp == tp and settings.config.model.num_blocks == 4
+    assert (settings.latent.steps, settings.latent.decoder, settings.gate.runs) == (20, "small", 3)  # the caller's last
+    assert run.main(["gate", "--dry-run", "--out", str(tmp_path), "--set", "gate.runs=1"]) == 2
+    assert "gate.runs: must be >= 2" in capsys.readouterr().err

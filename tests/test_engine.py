@@ -68,7 +68,7 @@ def test_a_missing_delta_rotation_is_caught(launch_runs, monkeypatch):
 
 def test_tensor_parallel_sizes_agree():
     """tp=2 (psum) and tp=4 (the ppermute ring) give tp=1's frames to float32 rounding.
-    (psum at tp=4: test_row_parallel's psum-4 cases and the numerics tests' base run.)"""
+    (psum at tp=4: test_row_parallel's psum-4 cases and the gate tests' base run.)"""
     outs = {tp: run_session(DiTGenerator(CFG, tp=tp, cache_dtype="float32"), 12) for tp in (1, 2)}
     ppermute = run_session(DiTGenerator(CFG.replace(engine={"reduce": "ppermute"}), tp=4, cache_dtype="float32"), 12)
     assert rel(outs[2], outs[1]) <= 1e-5
@@ -211,10 +211,10 @@ def test_in_place_scan_keeps_projection_weights_whole():
 
 
 def test_noise_ulp_nudge_moves_each_element_by_one_ulp():
-    """The numerics harness's noise transform moves every nonzero noise element by one
+    """The gate's noise transform moves every nonzero noise element by one
     float32 ulp, and the engine applies a noise transform to every step's noise."""
     from characters_jax.engine.step import Engine
-    from characters_jax.numerics.runs import noise_ulp_nudge, nudge_noise_ulp
+    from characters_jax.gate.runs import noise_ulp_nudge, nudge_noise_ulp
     from characters_jax.parallel.sharding import make_mesh
 
     x = jax.random.normal(jax.random.key(0), (1000,), jnp.float32).at[3].set(0.0)

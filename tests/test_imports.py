@@ -2,7 +2,8 @@
 ``ast`` (every import, those inside functions too): no cycle between modules nor between
 packages; the kernels import jax, numpy and each other only, and no single-device kernel
 imports the collective one; the worker (serving/) and its clients (client/, viewer/) never
-reach each other through any chain of imports, only the neutral wire/."""
+reach each other through any chain of imports, only the neutral wire/; the quality gate,
+the measures and the data never reach the trainer (train/ builds on them, not the reverse)."""
 
 import ast
 import collections
@@ -24,6 +25,9 @@ APART = {
     "characters_jax.viewer": ("characters_jax.serving",),
     "characters_jax.wire": ("characters_jax.serving", "characters_jax.client", "characters_jax.viewer", "characters_jax.demo"),
 }
+# Layers below the trainer: what the gate, the measures and the data reach must not include it.
+BELOW_TRAINER = {package: ("characters_jax.train",) for package in
+                 ("characters_jax.gate", "characters_jax.lipsync", "characters_jax.data")}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -144,10 +148,10 @@ def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def _crossings(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(module, forbidden module it reaches) for every module of APART's packages."""
+def _crossings(edges: dict[str, set[str]], apart=APART) -> list[tuple[str, str]]:
+    """(module, forbidden module it reaches) for every module of `apart`'s packages."""
     out = []
-    for package, forbidden in APART.items():
+    for package, forbidden in apart.items():
         for start in sorted(m for m in edges if _within(m, package)):
             seen, todo = set(), [start]
             while todo:
@@ -167,3 +171,14 @@ def test_the_worker_and_its_clients_never_reach_each_other():
     # The check sees a chain: client -> wire -> serving would be a crossing.
     chained = {**edges, "characters_jax.wire.service": edges["characters_jax.wire.service"] | {"characters_jax.serving.worker"}}
     assert ("characters_jax.client.character_client", "characters_jax.serving.worker") in _crossings(chained)
+
+
+def test_the_gate_the_measures_and_the_data_never_reach_the_trainer():
+    edges, _ = _graph()
+    for package in BELOW_TRAINER:
+        assert any(_within(m, package) for m in edges), package
+    assert _crossings(edges, BELOW_TRAINER) == []
+    # A chain is seen: the measures' validation through the trainer's evaluation would be one.
+    chained = {**edges, "characters_jax.lipsync.generate": edges["characters_jax.lipsync.generate"]
+               | {"characters_jax.train.evaluate"}}
+    assert ("characters_jax.gate.sessions", "characters_jax.train.evaluate") in _crossings(chained, BELOW_TRAINER)

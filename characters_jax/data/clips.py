@@ -174,13 +174,19 @@ def make_clip(split: str, index: int, spec: ClipSpec, seed: int = 0, voice: Espe
 
 def portrait(plan: ClipPlan, height: int, width: int) -> np.ndarray:
     """uint8 [H, W, 3]: the plan's first frame with the mouth closed (the reference image)."""
+    return reference_image(plan.identity, plan.params, height, width)
+
+
+def reference_image(identity: np.ndarray, params: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, 3]: a clip's reference image from its identity [IDENTITY_SIZE] and frame
+    parameters [T, FRAME_PARAMS]: frame 0's head pose, mouth closed and neutral, eyes open."""
     from characters_jax.data.face import render_frames
 
-    params = plan.params[:1].copy()
-    params[:, motion.JAW] = 0.0
-    params[:, motion.WIDTH] = 0.5
-    params[:, motion.BLINK] = 0.0
-    return render_frames(plan.identity, params, height, width)[0]
+    still = np.asarray(params[:1], np.float32).copy()
+    still[:, motion.JAW] = 0.0
+    still[:, motion.WIDTH] = 0.5
+    still[:, motion.BLINK] = 0.0
+    return render_frames(identity, still, height, width)[0]
 
 
 def wav_bytes(audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:

@@ -30,12 +30,12 @@ import time
 import numpy as np
 
 from characters_jax.lipsync.fidelity import SHARPNESS_SCALE, THRESHOLDS, FidelityReference, summary, verdict
+from characters_jax.lipsync.generate import PROMPT
 
 VAE_ROW = "through the VAE"
 BASELINE_ROW = "through the VAE, chunk by chunk"
 COLOUR_SHIFT = (12.0, 8.0, 6.0)  # /255, the planted colour fault
 BLUR_SIGMA = 1.5  # pixels, the planted blur
-PROMPT = "a friendly character, talking"
 
 
 def fidelity_rows(references: list[FidelityReference], rows: dict[str, list], baseline_row: str = BASELINE_ROW) -> dict:
@@ -105,13 +105,13 @@ def _demo_index(weights) -> int | None:
 def validate_measure(settings: ValidationSettings, log=print) -> dict:
     """The rows of the module docstring on `settings.clips` held-out clips."""
     from characters_jax.config import load_config
-    from characters_jax.data.clips import ClipSpec, plan_clip
+    from characters_jax.data.clips import ClipSpec, plan_clip, reference_image
     from characters_jax.data.face import render_frames
     from characters_jax.data.speech import EspeakVoice
     from characters_jax.weights.directory import checkpoint_path
     from characters_jax.lipsync import fidelity_faults as faults
     from characters_jax.lipsync.feature_net import load_features
-    from characters_jax.train.evaluate import generate_latents, portrait
+    from characters_jax.lipsync.generate import generate_latents
 
     t0 = time.monotonic()
     if settings.clips < 2:
@@ -125,7 +125,7 @@ def validate_measure(settings: ValidationSettings, log=print) -> dict:
     indices = list(range(settings.clips)) + ([demo] if demo is not None else [])
     plans = [plan_clip("heldout", i, spec, settings.seed, voice) for i in indices]
     truth = [render_frames(p.identity, p.params, h, w) for p in plans]
-    portraits = [portrait(p.identity, p.params, h, w) for p in plans]
+    portraits = [reference_image(p.identity, p.params, h, w) for p in plans]
     refs = references([p.identity for p in plans], truth, portraits, load_features())
     n = settings.clips
     other = [render_frames(p.identity, faults.other_motion(p.params, settings.seed + i), h, w)
@@ -138,7 +138,7 @@ def validate_measure(settings: ValidationSettings, log=print) -> dict:
     if weights:
         from characters_jax.decoder.runtime import VaeRuntime
         from characters_jax.weights.dit import dit_checkpoint
-        from characters_jax.train.evaluate import make_generator
+        from characters_jax.lipsync.generate import make_generator
 
         vae = VaeRuntime(cfg, checkpoint=weights)
         latents = [np.asarray(vae.encode_video(t)) for t in truth[:n]]

@@ -34,6 +34,8 @@ import jax
 import numpy as np
 
 from characters_jax.config import Config
+from characters_jax.data.clips import reference_image
+from characters_jax.lipsync.generate import PROMPT, generate, make_generator, reconstruct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,70 +43,8 @@ class EvalSettings:
     clips: int = 51
     window_s: float = 10.0
     seed: int = 0
-    prompt: str = "a friendly character, talking"
+    prompt: str = PROMPT
     random_baseline: bool = True
-
-
-def portrait(identity: np.ndarray, params: np.ndarray, height: int, width: int) -> np.ndarray:
-    """uint8 [H, W, 3]: the clip's reference image (frame 0's pose, mouth closed, eyes open)."""
-    from characters_jax.data.face import render_frames
-    from characters_jax.train.faces import still_params
-
-    return render_frames(identity, still_params(params, 1), height, width)[0]
-
-
-def generate_latents(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str,
-                     seed: int = 1) -> list:
-    """[steps] latents [gh, gw, C]: a session of `generator` (DiTGenerator) on image uint8
-    [H, W, 3] (encoded by `vae`, a VaeRuntime) and int16 speech [N], step by step as the
-    worker runs it."""
-    from characters_jax.audio.features import AudioFrontEnd
-    from characters_jax.audio.timeline import Timeline
-
-    fe = AudioFrontEnd(cfg)
-    timeline = Timeline.from_config(cfg)
-    latent = np.asarray(vae.encode(image))
-    generator.start_session(latent, list(prompt.encode("utf-8")), seed)
-    return [generator.step(fe.tokens(fe.window(lambda lo, hi: audio[lo:hi], s)))
-            for s in range(timeline.steps_for(len(audio)))]
-
-
-def generate(cfg: Config, generator, vae, image: np.ndarray, audio: np.ndarray, prompt: str, seed: int = 1,
-             frames: int | None = None) -> np.ndarray:
-    """uint8 [T, H, W, 3]: `generate_latents` decoded as the decoder process does."""
-    video = vae.decode_stream(generate_latents(cfg, generator, vae, image, audio, prompt, seed))
-    return video[:frames] if frames is not None else video
-
-
-def reconstruct(vae, frames: np.ndarray) -> np.ndarray:
-    """uint8 [T, H, W, 3]: frames (T a multiple of 4) encoded, then decoded chunk by chunk
-    with the decoder's state carried."""
-    return vae.decode_stream(np.asarray(vae.encode_video(frames)))
-
-
-# The engine's portable paths, for a backend where a default kernel does not build.
-PORTABLE = {"attention": "reference", "kernels": "none"}
-
-
-def make_generator(cfg: Config, log, checkpoint=None, seed: int = 0):
-    """DiTGenerator with the config's engine options (what `serve` runs), compiled by one
-    prefill and step; if that fails, the portable paths (`PORTABLE`, an [engine] table).
-    Returns (generator, engine table used: None for the config's)."""
-    from characters_jax.engine.generator import DiTGenerator
-
-    v, m = cfg.video, cfg.model
-
-    def build(engine):
-        gen = DiTGenerator(cfg.replace(engine=engine), checkpoint=checkpoint, seed=seed)
-        gen.start_session(np.zeros((v.grid_h, v.grid_w, m.latent_channels), np.float32), [32], 0)
-        np.asarray(gen.step(np.zeros((m.audio_tokens_per_step, m.audio_feature_dim), np.float32)))
-        return gen
-
-    try:
-        return build({}), None
-    except Exception as err:  # noted in the result
-        log(f"eval: the engine's default paths failed ({type(err).__name__}: {err}); using {PORTABLE}")
-        return build(PORTABLE), PORTABLE
 
 
 def _mean(values) -> float:
@@ -147,7 +87,7 @@ def evaluate(cfg: Config, weights, plans, settings: EvalSettings, session=None, 
     mouth, ident_probe = load_probe("mouth"), _identity_probe()
     n = len(plans)
     frames_n = plans.params.shape[1]
-    portraits = [portrait(plans.identity[i], plans.params[i], h, w) for i in range(n)]
+    portraits = [reference_image(plans.identity[i], plans.params[i], h, w) for i in range(n)]
     tracks = plans.track
 
     deadline = t0 + time_limit_s if time_limit_s is not None else float("inf")
@@ -235,7 +175,7 @@ def drift(cfg: Config, gen, vae, sessions, settings: EvalSettings, mouth, ident_
     windows = {"first": slice(0, win), "last": slice(frames_n - win, frames_n)}
     per_session = []
     for i in range(len(sessions)):
-        image = portrait(sessions.identity[i], sessions.params[i], h, w)
+        image = reference_image(sessions.identity[i], sessions.params[i], h, w)
         video = generate(cfg, gen, vae, image, sessions.audio[i], settings.prompt, seed=settings.seed + i, frames=frames_n)
         truth = render_frames(sessions.identity[i], sessions.params[i], h, w)
         row = {}

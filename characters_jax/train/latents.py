@@ -24,7 +24,7 @@ from characters_jax.config import Config
 from characters_jax.weights.directory import LatentStats
 from characters_jax.train.faces import render_video, still_params
 from characters_jax.train.geometry import mouth_mask
-from characters_jax.train.plans import PlanSet
+from characters_jax.data.plans import PlanSet
 
 PROMPTS = ("a friendly character, talking", "", "a cartoon face", "someone speaking", "talking head",
            "a person telling a story", "hello", "a calm voice", "an animated portrait, speaking clearly",

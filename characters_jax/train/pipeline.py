@@ -34,7 +34,7 @@ from characters_jax.data.clips import ClipSpec
 from characters_jax.weights.directory import LatentStats, open_weights, save_weights
 from characters_jax.train.evaluate import evaluate, markdown
 from characters_jax.train.latents import build_dit_data
-from characters_jax.train.plans import PlanMaker, load_plans
+from characters_jax.data.plans import PlanMaker, load_plans
 from characters_jax.train.settings import TrainSettings
 from characters_jax.train.state_io import StageStore, write_json
 

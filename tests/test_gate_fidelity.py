@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from characters_jax.data import motion
+from characters_jax.data.clips import reference_image
 from characters_jax.data.face import render_frames
 from characters_jax.data.identity import sample_identity
 from characters_jax.lipsync import fidelity_faults as faults
@@ -25,12 +26,10 @@ CHECKPOINT = "checkpoints/talking"
 def _clip(seed: int, frames: int):
     """(identity, params [frames, 6], truth uint8 [frames, H, W, 3], portrait [H, W, 3]) of a
     held-out identity with a random mouth track, blinks and head motion."""
-    from characters_jax.train.evaluate import portrait
-
     rng = np.random.default_rng([SEED, seed])
     ident = sample_identity(rng, heldout=True).to_vector()
     params = face_params(rng, frames)
-    return ident, params, render_frames(ident, params, H, W), portrait(ident, params, H, W)
+    return ident, params, render_frames(ident, params, H, W), reference_image(ident, params, H, W)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +107,7 @@ def test_the_vae_round_trip_is_near_the_ceiling(vae, net):
     edge, where the shipped decoder is least exact (~5/255 over the bottom rows, whatever
     is drawn there); sharp; KID an order above the truth's, the baseline of the verdict."""
     from characters_jax.lipsync.fidelity_eval import decode_chunks
-    from characters_jax.train.evaluate import reconstruct
+    from characters_jax.lipsync.generate import reconstruct
 
     ident, _, truth, image = _clip(1, 12)
     ref = FidelityReference.make(ident, truth, image, net)
@@ -156,16 +155,16 @@ def test_the_shipped_weights_are_flagged_on_their_demo_clip(vae, net):
     pytest.importorskip("espeakng_loader")
     from characters_jax.config import load_config
     from characters_jax.data.clips import ClipSpec, plan_clip
+    from characters_jax.lipsync.generate import PROMPT, generate_latents, make_generator
     from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.lipsync.fidelity_eval import decode_chunks
-    from characters_jax.train.evaluate import generate_latents, make_generator, portrait
 
     cfg = load_config("talking")
     plan = plan_clip("heldout", 1000, ClipSpec(seconds=2.0, height=H, width=W), 0)
-    image = portrait(plan.identity, plan.params, H, W)
+    image = reference_image(plan.identity, plan.params, H, W)
     truth = render_frames(plan.identity, plan.params, H, W)
     gen, _ = make_generator(cfg, lambda m: None, checkpoint=dit_checkpoint(CHECKPOINT, cfg))
-    latents = np.asarray(generate_latents(cfg, gen, vae, image, plan.audio, "a friendly character, talking", seed=1))
+    latents = np.asarray(generate_latents(cfg, gen, vae, image, plan.audio, PROMPT, seed=1))
     ref = FidelityReference.make(plan.identity, truth, image, net)
     served = ref.score(vae.decode_stream(latents))
     by_chunk = ref.score(decode_chunks(vae, latents))
@@ -179,7 +178,7 @@ def test_the_shipped_weights_are_flagged_on_their_demo_clip(vae, net):
 def test_random_weights_are_far_off(net):
     from characters_jax.config import load_config
     from characters_jax.decoder.runtime import VaeRuntime
-    from characters_jax.train.evaluate import generate, make_generator
+    from characters_jax.lipsync.generate import generate, make_generator
 
     cfg = load_config("talking")
     ident, _, truth, image = _clip(2, 32)

@@ -1,13 +1,12 @@
-"""Trajectories of the reference path and of the optimized variants, on the same inputs.
+"""The variants, the reference path, their engines and weights, and the reference runs' plan.
 
-A trajectory: prefill one session (reference image latent + prompt), then K steps with fixed
-audio tokens; the K latent frames [K, grid_h, grid_w, C] float32 come back to the host once,
-at the end (the step itself never syncs). Every run uses the same inputs, noise seed and
-model weights; the float weights are drawn once, and the FP8-GEMM variants quantize those
-same weights (`fp8_params`), so a variant differs from the reference only in arithmetic.
-
-The reference path: launch cache in bf16 (or float32), reference attention, plain GEMMs
-(the config's FP8 weight storage replaced by the activation dtype), XLA psum.
+A variant differs from the reference path in its arithmetic only: the same inputs, noise
+seeds and weights. The float weights are the reference's; the FP8-GEMM variants quantize
+those same weights (`fp8_params`), so a variant differs from the reference only in
+arithmetic. The reference path: launch cache in bf16 (or float32), reference attention,
+plain GEMMs (the config's FP8 weight storage replaced by the activation dtype), XLA psum.
+`reference_plan` lists the reference runs: the base run and runs under perturbations a
+deployment has anyway (a one-ulp nudge, another tp size, a repeat, other noise seeds).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from characters_jax.config import Config
+from characters_jax.gate.options import PERTURBATIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,54 +76,32 @@ class Resolved:
     note: str = ""
 
 
-def resolve(variant: Variant, tp: int, substitute: bool = True) -> Resolved:
-    """Adapts a variant to the backend: the Pallas kernels need a Hopper GPU. substitute:
-    without one, the FP8 attention variants run the reference attention (noted); False:
-    they are not run (their own arithmetic cannot run here)."""
+def resolve(variant: Variant, tp: int) -> Resolved:
+    """The variant as it runs on this backend: None where its own arithmetic cannot run here
+    (the Pallas kernels off Hopper), with the reason; a note where it changes nothing."""
     from pallas_kernels import device, fp8_attention, fp8_gemm_allreduce
 
     if variant.attention in fp8_attention.PALLAS_IMPLS and not device.is_hopper():
-        if not substitute:
-            return Resolved(variant.name, None, f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here)")
-        return Resolved(variant.name, dataclasses.replace(variant, attention="reference"),
-                        f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here): ran the reference attention")
+        return Resolved(variant.name, None, f"Pallas FP8 attention needs a Hopper GPU ({jax.default_backend()} here)")
     if variant.reduce == "pallas" and not fp8_gemm_allreduce.is_supported():
-        return Resolved(variant.name, None, f"fused GEMM + all-reduce needs a Hopper GPU ({jax.default_backend()} here): skipped")
+        return Resolved(variant.name, None, f"fused GEMM + all-reduce needs a Hopper GPU ({jax.default_backend()} here)")
     if variant.reduce in ("ppermute", "pallas") and tp == 1:
         return Resolved(variant.name, variant, "tp=1: no reduction to change")
     return Resolved(variant.name, variant)
 
 
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-    """One session's inputs. image_latent [gh, gw, C] f32; prompt [B] int32 (padded to its
-    bucket) with `prompt_len` real tokens; audio [K, A_tok, F_a] f32; seed: the noise seed."""
-
-    image_latent: np.ndarray
-    prompt: np.ndarray
-    prompt_len: int
-    audio: np.ndarray
-    seed: int
-
-    @property
-    def steps(self) -> int:
-        return len(self.audio)
+def parse_variant(name: str) -> tuple[Variant, int | None]:
+    """'ring-fp8' -> (the variant, None); 'production@tp2' -> (production, 2)."""
+    base, _, tp = name.partition("@")
+    if base not in VARIANTS:
+        raise ValueError(f"unknown variant {base!r}; known: {', '.join(VARIANTS)} (optionally @tpN)")
+    if tp and not (tp.startswith("tp") and tp[2:].isdigit() and int(tp[2:]) > 0):
+        raise ValueError(f"variant {name!r}: the suffix must be @tpN (N a tensor-parallel size)")
+    return VARIANTS[base], (int(tp[2:]) if tp else None)
 
 
 def act_dtype(cfg: Config):
     return jnp.bfloat16 if cfg.model.dtype == "bfloat16" else jnp.float32
-
-
-def make_inputs(cfg: Config, steps: int, prompt_bucket_fn, seed: int = 0) -> Inputs:
-    """Random inputs, already rounded to the activation dtype (so a one-ulp nudge is exact)."""
-    rs = np.random.RandomState(seed)
-    dt = act_dtype(cfg)
-    v, m = cfg.video, cfg.model
-    image = rs.randn(v.grid_h, v.grid_w, m.latent_channels).astype(dt).astype(np.float32)
-    audio = rs.randn(steps, m.audio_tokens_per_step, m.audio_feature_dim).astype(dt).astype(np.float32)
-    prompt = list(b"a person talking to the camera")[: cfg.cache.max_prompt_tokens]
-    padded, n = prompt_bucket_fn(prompt)
-    return Inputs(image_latent=image, prompt=padded, prompt_len=n, audio=audio, seed=seed + 1)
 
 
 def nudge_ulp(x: np.ndarray, dtype, seed: int) -> np.ndarray:
@@ -152,17 +130,6 @@ def noise_ulp_nudge(seed: int):
     def transform(x, step):
         return nudge_noise_ulp(x, jax.random.fold_in(jax.random.key(seed), step))
     return transform
-
-
-def perturb(inputs: Inputs, cfg: Config, seed: int) -> Inputs:
-    """The same inputs with the image latent and the audio features nudged by one ulp (the
-    in-step noise is nudged in the engine: ``make_engine(..., noise_ulp_seed=seed)``)."""
-    dt = act_dtype(cfg)
-    return dataclasses.replace(
-        inputs,
-        image_latent=nudge_ulp(inputs.image_latent, dt, 2 * seed),
-        audio=nudge_ulp(inputs.audio, dt, 2 * seed + 1),
-    )
 
 
 def reference_config(cfg: Config, cache_dtype: str) -> Config:
@@ -267,27 +234,6 @@ def place_params(engine, params, ref_engine):
     return jax.device_put(params, engine.param_shardings)
 
 
-def run_session(engine, params, inputs: Inputs, sync_each_step: bool = False) -> np.ndarray:
-    """Prefill + K steps; returns the latents [K, grid_h, grid_w, C] float32 (host).
-
-    sync_each_step: wait for each step (XLA:CPU with several virtual devices runs more
-    smoothly on few cores when programs do not queue up).
-    """
-    state = engine.init_state()
-    state = engine.prefill(params, state, jnp.asarray(inputs.image_latent.reshape(-1, inputs.image_latent.shape[-1])),
-                           jnp.asarray(inputs.prompt), jnp.int32(inputs.prompt_len), jnp.uint32(inputs.seed))
-    audio = jax.device_put(jnp.asarray(inputs.audio), engine.replicated)
-    latents = []
-    for s in range(inputs.steps):
-        state, latent = engine.step(params, state, audio[s])
-        if sync_each_step:
-            latent.block_until_ready()
-        latents.append(latent)
-    out = np.stack([np.asarray(x) for x in latents])
-    del state
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class RefRun:
     """One reference run: `kind` base | tp | ulp | repeat | seed; tp; ulp_seed (0:
@@ -297,9 +243,6 @@ class RefRun:
     kind: str
     tp: int
     ulp_seed: int = 0
-
-
-PERTURBATIONS = ("ulp", "tp", "repeat", "seed")
 
 
 def reference_plan(runs: int, tp: int, num_heads: int, devices: int, repeat: bool,

@@ -1,4 +1,4 @@
-"""Held-out clips as the lip-sync gate feeds them to every run: made once, on the host.
+"""Held-out clips as the gate feeds them to every run of the trained model: made once, on the host.
 
 A clip's inputs are what a session of the worker sees: the portrait encoded by the trained
 VAE (`VaeRuntime.encode`, the generator's normalised latent space), the audio tokens of
@@ -7,7 +7,7 @@ it is judged against: the ground-truth mouth track and the portrait. Every refer
 and every variant gets the same arrays, so two runs differ only in arithmetic (or in the
 one-ulp nudge a perturbed reference run applies to `latent` and `tokens`).
 
-Plans (speech, tracks, identities) come from `train.plans` (held-out split: identities,
+Plans (speech, tracks, identities) come from `data.plans` (held-out split: identities,
 voices and words never trained on), kept in a plans directory so a rerun reuses them.
 """
 
@@ -48,9 +48,9 @@ class ClipInputs:
 
 def make_plans(cfg: Config, directory, count: int, seconds: float, seed: int = 0, first: int = 0, workers=None):
     """The held-out plans [first, first + count) of `seconds` each, made into `directory`
-    if missing (espeak-ng worker processes), loaded otherwise: a ``train.plans.PlanSet``."""
+    if missing (espeak-ng worker processes), loaded otherwise: a ``data.plans.PlanSet``."""
     from characters_jax.data.clips import ClipSpec
-    from characters_jax.train.plans import PlanMaker, load_plans
+    from characters_jax.data.plans import PlanMaker, load_plans
 
     v = cfg.video
     spec = ClipSpec(seconds=seconds, height=v.height, width=v.width, fps=v.fps, chunk_frames=v.frames_per_step)
@@ -66,7 +66,7 @@ def clip_inputs(cfg: Config, plans, vae, seed: int = 0) -> ClipInputs:
     """Every clip of `plans` (PlanSet) as a session's inputs: portrait rendered and encoded
     by `vae` (VaeRuntime), the audio tokens of each step, the clip's noise seed."""
     from characters_jax.audio.features import AudioFrontEnd
-    from characters_jax.train.evaluate import portrait
+    from characters_jax.data.clips import reference_image
 
     fe = AudioFrontEnd(cfg)
     h, w = cfg.video.height, cfg.video.width
@@ -74,7 +74,7 @@ def clip_inputs(cfg: Config, plans, vae, seed: int = 0) -> ClipInputs:
     steps = frames // cfg.video.frames_per_step
     latents, tokens, portraits = [], [], []
     for i in range(len(plans)):
-        image = portrait(plans.identity[i], plans.params[i], h, w)
+        image = reference_image(plans.identity[i], plans.params[i], h, w)
         audio = plans.audio[i]
         portraits.append(image)
         latents.append(np.asarray(vae.encode(image), np.float32))

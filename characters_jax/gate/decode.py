@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from characters_jax.config import Config
-from characters_jax.numerics.metrics import FRAME_RANGE, PSNR_CAP_DB
+from characters_jax.gate.distance import FRAME_RANGE, PSNR_CAP_DB
 
 
 def decoder_config(cfg: Config, which: str) -> Config:
