@@ -322,3 +322,47 @@ def test_a_failed_snapshot_is_counted_and_the_session_goes_on(store):
     assert conv.final.state == pb.COMPLETED
     assert not any(isinstance(x, pb.SnapshotEvent) for x in rec.items)
     assert _metric(w, "characters_snapshots_total", {"kind": "REQUESTED"}) == 0
+
+
+def test_the_async_stream_follows_a_migration(store):
+    """AsyncConversationStream (the viewer's and the integrations' stream) resumes a drained
+    session on the other worker, replays its audio and hands each step out once."""
+    import asyncio
+
+    from characters_jax.client.requests import start_request
+    from characters_jax.client.stream import AsyncConversationStream
+    from characters_jax.client.targets import aio_channel
+
+    workers = [FakeWorker("tiny", _options(store, f"w{i}")) for i in range(2)]
+    seg = speech(1.2, seed=1)
+
+    async def run():
+        channel, target = aio_channel(",".join(w.address for w in workers))
+        conv = AsyncConversationStream.open(channel, start_request(image=png(), playout_reports=False), balanced=target.balanced)
+        items, drained = [], []
+        piece = 16 * 20
+        async for msg in conv:
+            items.append(msg)
+            chunks = [x for x in items if isinstance(x, pb.VideoChunk)]
+            if isinstance(msg, pb.Session) and len(items) == 1:
+                for off in range(0, len(seg), piece):
+                    conv.send_audio(seg[off : off + piece])
+            if len(chunks) == 4 and not drained:
+                first = next(w for w in workers if w.server.options.worker_id == items[0].worker_id)
+                drained.append(asyncio.get_running_loop().run_in_executor(None, first.server.drain, 10.0))
+            if isinstance(msg, pb.SessionResumed):
+                conv.end_speech()
+                conv.end_audio()
+        await channel.close()
+        return conv, items, await drained[0]
+
+    try:
+        conv, items, outcome = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        for w in workers:
+            w.close()
+    assert outcome == "migrated" and items[-1].state == pb.COMPLETED
+    assert len(conv.handovers) == 1 and conv.handovers[0]["kind"] == "migration"
+    chunks = [x for x in items if isinstance(x, pb.VideoChunk)]
+    _check_contiguous(chunks)
+    timeline_of(chunks, {1: seg})
