@@ -7,6 +7,7 @@ tokens' mean, so a frame shows which step and which audio made it).
   positions go on without a gap or a repeat, the speech on the timeline is exactly what was
   sent (the audio sent after the snapshot is replayed: nothing lost or doubled), every
   speech event comes once, and a 24 fps playout clock with the default lead never underruns.
+  The asyncio stream (the viewer's and the integrations') follows a migration the same way.
 - A resume is refused with a clear status, the worker healthy afterwards: a wrong token or
   an unknown session (the same NOT_FOUND), a missing step, another config or tp size (the
   message names the field), a damaged manifest or array (DATA_LOSS naming it), a session
