@@ -29,8 +29,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "characters_jax"
 CLIENT_PACKAGES = ("client", "wire", "config", "audio", "integrations")
 PROTO_TOOLS = "grpcio-tools==1.69.0"  # protoc 29: the code it writes declares protobuf 5.29.0
+# pipecat: with what its SmallWebRTCTransport needs (its `webrtc` extra less opencv, which only
+# its video input uses), at the viewer's pins (pyproject's `view` extra).
 REQUIREMENTS = {
-    "pipecat": ("pipecat-ai==1.14.0", "grpcio==1.84.0", PROTO_TOOLS, "numpy>=2.1,<2.6"),
+    "pipecat": ("pipecat-ai==1.14.0", "grpcio==1.84.0", PROTO_TOOLS, "numpy>=2.1,<2.6",
+                "aiortc==1.16.0", "aioice==0.13.0", "av>=14,<20"),
 }
 READY = ".ready"
 
