@@ -4,13 +4,11 @@ read as a user's tooling would), a recorder of a conversation's stream, speech a
 import io
 import json
 import pathlib
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +19,7 @@ from characters_jax.client.character_client import CharacterClient
 from characters_jax.processes import child_env
 from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.processes import terminate
+from characters_jax.serving.metrics_http import scrape
 
 
 def speech(seconds: float, seed: int = 0) -> np.ndarray:
@@ -74,13 +73,7 @@ class Worker:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status)
 
     def metrics(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.state()['metrics_port']}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
+        return scrape("127.0.0.1", self.state()["metrics_port"], timeout=5)
 
     def wait_idle(self, timeout=5.0) -> float:
         t0 = time.monotonic()

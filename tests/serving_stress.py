@@ -1,16 +1,30 @@
-"""Helpers of the serving stress tests: a fake RPC context, an idle request stream, and a
-worker process (fake_worker_process.py) started on a free port."""
+"""Helpers of the serving stress tests: a fake RPC context, tools/chaos.py as the module
+`chaos` (its idle request stream among them), and a worker process (fake_worker_process.py)
+started on a free port."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
-import threading
 import time
 
 from characters_jax.processes import child_env
 
 SCRIPT = pathlib.Path(__file__).with_name("fake_worker_process.py")
+
+
+def _load_chaos():
+    if "chaos" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("chaos", pathlib.Path(__file__).parents[1] / "tools" / "chaos.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["chaos"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["chaos"]
+
+
+chaos = _load_chaos()
+IdleRequests = chaos.IdleRequests
 
 
 class Aborted(Exception):
@@ -34,20 +48,6 @@ class FakeContext:
 
     def abort(self, code, details):
         raise Aborted(code, details)
-
-
-class IdleRequests:
-    """A request iterator that sends nothing until released (an idle client)."""
-
-    def __init__(self, release: threading.Event):
-        self._release = release
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self._release.wait()
-        raise StopIteration
 
 
 def start_worker_process(tmp_path: pathlib.Path, *args: str, ready_timeout: float = 60.0):

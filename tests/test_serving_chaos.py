@@ -23,18 +23,12 @@ each fault aims at the worker of an anchor session that opens first, so it alway
 live session.
 """
 
-import importlib.util
 import pathlib
 import random
 import sys
 
 import pytest
-from serving_stress import SCRIPT
-
-_spec = importlib.util.spec_from_file_location("chaos", pathlib.Path(__file__).parents[1] / "tools" / "chaos.py")
-chaos = importlib.util.module_from_spec(_spec)
-sys.modules["chaos"] = chaos
-_spec.loader.exec_module(chaos)
+from serving_stress import SCRIPT, chaos
 
 SEED = 20261207
 DRAIN_TIMEOUT_S = 1.0

@@ -12,7 +12,6 @@ characters_decoder_up, and SIGTERM stops it (0).
 """
 
 import json
-import re
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
 from characters_jax.client.character_client import CharacterClient
 from characters_jax.serving.decoder_link import DecoderClient
+from characters_jax.serving.metrics_http import scrape
 from characters_jax.demo.fakes import FakeVaeRuntime, FakeWorker
 from characters_jax.wire.service import SERVICE_NAME
 from characters_jax.serving.metrics import WorkerMetrics
@@ -203,16 +203,6 @@ def test_the_metrics_server_binds_the_given_host():
 
 
 # -- a real worker process ---------------------------------------------------------------------
-def scrape(host: str, port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            out[match.group(1)] = float(match.group(2))
-    return out
-
-
 def test_serve_binds_metrics_to_its_host_and_reports_decoder_restarts(tmp_path):
     state_file, log_path = tmp_path / "worker.json", tmp_path / "worker.log"
     with open(log_path, "w") as log:

@@ -55,7 +55,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -71,6 +70,7 @@ from characters_jax.config import RpcLimits
 from characters_jax.processes import child_env
 from characters_jax.protos_gen import characters_pb2 as pb
 from characters_jax.protos_gen import characters_pb2_grpc
+from characters_jax.serving.metrics_http import scrape
 from characters_jax.wire.service import PCM_FORMAT, SERVICE_NAME
 
 # The codes the service documents (README "Serving", "Security"; docs/deploy.md): a session
@@ -313,22 +313,14 @@ class WorkerProcess:
     def metrics(self) -> dict[str, float]:
         """The worker's Prometheus metrics ({} for a worker without a metrics port)."""
         port = self.state().get("metrics_port")
-        if not port:
-            return {}
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
+        return scrape("127.0.0.1", port, timeout=5) if port else {}
 
     def tracebacks(self) -> int:
         """Tracebacks in the worker's log (an exception logged, or one a handler let through)."""
         return self.log_path.read_text(errors="replace").count("Traceback (most recent call last)")
 
 
-class _IdleRequests:
+class IdleRequests:
     """A request stream that sends nothing until released."""
 
     def __init__(self, release: threading.Event):
@@ -354,8 +346,8 @@ def fill_pools(worker: WorkerProcess, limits: RpcLimits | None = None, timeout: 
     try:
         converse = characters_pb2_grpc.CharacterServiceStub(channel).Converse
         info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
-        calls = [converse(_IdleRequests(release), timeout=timeout) for _ in range(limits.max_character_rpcs + limits.spare_threads)]
-        calls += [info(_IdleRequests(release), timeout=timeout) for _ in range(limits.max_reflection_streams + limits.spare_threads)]
+        calls = [converse(IdleRequests(release), timeout=timeout) for _ in range(limits.max_character_rpcs + limits.spare_threads)]
+        calls += [info(IdleRequests(release), timeout=timeout) for _ in range(limits.max_reflection_streams + limits.spare_threads)]
         check = health_pb2_grpc.HealthStub(channel).Check
         barrier = threading.Barrier(4 * limits.health_threads)
 

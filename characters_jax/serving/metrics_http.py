@@ -1,9 +1,12 @@
 """The worker's HTTP endpoint on the metrics port: /healthz (liveness: 200 or 503) and, on
-every other path, Prometheus metrics. Binds the host it is given, IPv4 or IPv6."""
+every other path, Prometheus metrics. Binds the host it is given, IPv4 or IPv6.
+`scrape` reads that endpoint back (tools and tests)."""
 
 from __future__ import annotations
 
+import re
 import socket
+import urllib.request
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
@@ -12,6 +15,14 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import prometheus_client as prom
 
 Liveness = Callable[[], tuple[bool, str]]
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$")
+
+
+def scrape(host: str, port: int, timeout: float = 10.0) -> dict[str, float]:
+    """The samples of the Prometheus text at http://host:port/metrics, keyed as written
+    ('name' or 'name{label="value",...}')."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout).read().decode()
+    return {m.group(1): float(m.group(2)) for m in map(_SAMPLE.match, text.splitlines()) if m}
 
 
 class _QuietHandler(WSGIRequestHandler):
