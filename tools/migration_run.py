@@ -33,6 +33,7 @@ table and writes every figure as JSON to --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import shutil
@@ -46,15 +47,15 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from serving_harness import Recorder, Worker, timeline_of  # noqa: E402
+from serving_harness import Recorder, Worker, timeline_of
 
-from characters_jax.audio.pcm import read_wav  # noqa: E402
-from characters_jax.audio.timeline import Timeline  # noqa: E402
-from characters_jax.client.character_client import CharacterClient  # noqa: E402
-from characters_jax.client.playout_clock import PlayoutClock  # noqa: E402
-from characters_jax.config import load_config  # noqa: E402
-from characters_jax.protos_gen import characters_pb2 as pb  # noqa: E402
-from characters_jax.weights.directory import demo_clip  # noqa: E402
+from characters_jax.audio.pcm import read_wav
+from characters_jax.audio.timeline import Timeline
+from characters_jax.client.character_client import CharacterClient
+from characters_jax.client.playout_clock import PlayoutClock
+from characters_jax.config import load_config
+from characters_jax.protos_gen import characters_pb2 as pb
+from characters_jax.weights.directory import demo_clip
 
 SEED = 1  # the session's seed (as `characters-jax demo`'s)
 LEAD_S = 2.0  # how far ahead of real time the client sends the speech
@@ -136,11 +137,11 @@ def sigterm_twice(workers: dict[str, Worker], fps: int, seconds: float, log: lis
     """At a third and two thirds of the clip: SIGTERM on the worker serving the session."""
     def faults(rec, conv):
         for k in (1, 2):
-            rec.wait(lambda: video_s(rec, fps) >= k * seconds / 3, 600)
+            rec.wait(lambda k=k: video_s(rec, fps) >= k * seconds / 3, 600)
             name = conv.session.worker_id
             log.append({"signal": "SIGTERM", "worker": name, "video_s": round(video_s(rec, fps), 2), "step": rec.chunks[-1].step_index})
             workers[name].terminate()
-            rec.wait(lambda: resumed_count(rec) >= k, 300)
+            rec.wait(lambda k=k: resumed_count(rec) >= k, 300)
     return faults
 
 
@@ -169,11 +170,11 @@ def check_stream(chunks, pcm: np.ndarray, fps: int) -> dict:
     order, with no silence inside the segment."""
     steps = [c.step_index for c in chunks]
     ts = np.concatenate([c.frame_timestamps_s for c in chunks])
-    samples_ok = all(b.audio_first_sample == a.audio_first_sample + len(a.audio_pcm) // 2 for a, b in zip(chunks, chunks[1:]))
+    samples_ok = all(b.audio_first_sample == a.audio_first_sample + len(a.audio_pcm) // 2 for a, b in itertools.pairwise(chunks))
     spans = [sp for c in chunks for sp in c.speech]
     speech_contiguous = (sum(sp.samples for sp in spans) == len(pcm) and spans[0].position_samples == 0
                          and all(b.position_samples == a.position_samples + a.samples and b.segment_offset_samples == a.segment_offset_samples + a.samples
-                                 for a, b in zip(spans, spans[1:])))
+                                 for a, b in itertools.pairwise(spans)))
     timeline_of(chunks, {1: pcm})  # raises unless every span holds the segment's samples and the rest is silence
     return {"steps_contiguous": steps == list(range(len(steps))),
             "timestamps_contiguous": bool(np.allclose(np.diff(ts), 1 / fps, atol=1e-9)),
