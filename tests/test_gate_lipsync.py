@@ -1,4 +1,5 @@
-"""The gate on the trained talking model (CPU, 4 virtual devices, float32), its lipsync and
+"""The gate on the trained talking model (CPU, 4 virtual devices, float32, tp=1 with a tp=2
+reference run), its lipsync and
 fidelity metrics on the same runs: planted bugs (a RoPE offset one frame late, an FP8 cache
 quantized with 4x the scale attention dequantizes with) move the mean lip-sync confidence far
 outside the reference's run-to-run variation and fail, a colour shift of the decoded frames
@@ -32,7 +33,7 @@ COLOUR_SHIFT = 12  # /255, added to every decoded frame of one run
 def gate(tmp_path_factory):
     plans = tmp_path_factory.mktemp("plans")
     settings = H.Settings(config=load_config("talking", [f"seed={SEED}"]), metrics=("lipsync", "fidelity"),
-                          checkpoint=CHECKPOINT, tp=2,
+                          checkpoint=CHECKPOINT, tp=1,
                           gate=GateOptions(runs=3, perturb=("ulp", "tp"), quiet=True),  # the strictest band
                           clips=ClipOptions(count=3, seconds=2.0, plans_dir=str(plans)),
                           lipsync=LipsyncOptions(drift_clips=0))
