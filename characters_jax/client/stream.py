@@ -85,7 +85,99 @@ class _Senders:
         self.send(playout_request(frames_played, underruns))
 
 
-class ConversationStream(_Senders):
+class _Backoff:
+    """Jittered exponential backoff between a refused call and the next: 0.25 s doubling to 2 s,
+    each wait drawn from [0.5, 1.5) of it."""
+
+    def __init__(self):
+        self.base = 0.25
+
+    def delay(self) -> float:
+        return self.base * random.uniform(0.5, 1.5)
+
+    def grow(self) -> None:
+        self.base = min(2 * self.base, 2.0)
+
+    def reset(self) -> None:
+        self.base = 0.25
+
+
+class _ResumingStream(_Senders):
+    """What both streams keep apart from their transport: the handling of responses
+    (`_Receiver`), the `Resumption` of a resumable session (None otherwise), the inputs a
+    resumed call's snapshot holds and the record of its handovers."""
+
+    def __init__(self, start: pb.ConverseRequest):
+        self._rx = _Receiver()
+        self._resume = Resumption(start) if start.start.resumable else None
+        self._replay_from: int | None = None  # a resumed call: the inputs its snapshot holds
+        self.handovers: list[dict] = []
+
+    @property
+    def session(self) -> pb.Session | None:
+        return self._rx.session
+
+    @property
+    def resumption(self) -> Resumption | None:
+        """What a resume needs (None: the session is not resumable)."""
+        return self._resume
+
+    def _stamp(self, request: pb.ConverseRequest) -> tuple[int | None, pb.ConverseRequest]:
+        """An outbox item: (the input's number in a resumable session, else None; request)."""
+        return (self._resume.stamp(request) if self._resume is not None else None), request
+
+    def _accept(self, resp: pb.ConverseResponse) -> tuple[object | None, bool]:
+        """One response of the current call: (the message to hand out, or None; whether it is
+        the SessionResumed after which a resumed call may send)."""
+        if self._resume is not None:
+            resp = self._resume.receive(resp)
+            if resp is None:
+                return None, False
+        resumed = resp.WhichOneof("event") == "resumed"
+        if resumed:
+            self._replay_from = resp.resumed.inputs
+            self._rx.reset_interrupts(self._resume.interrupts_after(resp.resumed.inputs))
+            self.handovers[-1]["resumed"] = time.monotonic()
+        return self._rx.receive(resp), resumed
+
+    def _replay(self) -> tuple[int, list[pb.ConverseRequest]]:
+        """A call's first requests after its start: a resumed call's inputs that its snapshot
+        lacks, with the number of the last one ((0, []) for a call that resumes nothing)."""
+        if self._replay_from is None:
+            return 0, []
+        last, replay = self._resume.replay(self._replay_from)
+        self.handovers[-1]["replayed"] = len(replay)
+        return last, replay
+
+    def _handed_over(self, closed: bool) -> bool:
+        """The call ended OK and the worker handed the session over: resume it elsewhere."""
+        return self._resume is not None and not closed and self._resume.can_resume(None)
+
+    def _may_recover(self, resume_by: float | None, opened: bool, code: grpc.StatusCode) -> bool:
+        """An opened call failed with `code` after a snapshot (no resume under way)."""
+        return resume_by is None and opened and self._resume is not None and self._resume.can_resume(code)
+
+    @staticmethod
+    def _may_retry_resume(resume_by: float | None, now: float, delay: float, code: grpc.StatusCode) -> bool:
+        """A resume call refused with `code` is tried again after `delay` before its deadline."""
+        return resume_by is not None and now + delay < resume_by and code in RESUME_RETRY_CODES + (grpc.StatusCode.NOT_FOUND,)
+
+    def _resume_start(self, kind: str, code: grpc.StatusCode | None) -> pb.ConverseRequest:
+        """Records a handover (migration: the call ended OK; recovery: it failed with `code`) and
+        returns the start of the call that resumes its last snapshot."""
+        self.handovers.append({"kind": kind, "code": code.name if code is not None else "OK", "ended": time.monotonic(),
+                               "step": self._resume.snapshot.step})
+        self._replay_from = None
+        return self._resume.resume_start()
+
+    def _retry_resume_start(self, code: grpc.StatusCode) -> pb.ConverseRequest:
+        """The start of another try of a refused resume (NOT_FOUND: its snapshot is gone, the
+        session's newest is resumed); the refused try is not counted."""
+        self._resume.resumes -= 1
+        return self._resume.resume_start(latest=code == grpc.StatusCode.NOT_FOUND)
+
+
+class ConversationStream(_ResumingStream):
     """One session's Converse stream (threads; see the module docstring). Iterate from one
     thread; the senders may be called from any thread.
 
@@ -105,9 +197,8 @@ class ConversationStream(_Senders):
         session (RESOURCE_EXHAUSTED, UNAVAILABLE), open a new call until open_timeout
         (default: on a balanced channel, i.e. with wait_for_ready). on_session(session): called
         with the Session when it arrives. A resume waits up to open_timeout for a worker."""
+        super().__init__(start)
         self._on_session = on_session
-        self._rx = _Receiver()
-        self._resume = Resumption(start) if start.start.resumable else None
         self._opened = threading.Event()  # the first Session came
         self._done = threading.Event()
         self._open_timed_out = False
@@ -118,9 +209,7 @@ class ConversationStream(_Senders):
         self._send_lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()  # the current call's: (input number or None, request), None ends it
         self._call_ready = threading.Event()  # the current call may send: its Session (or SessionResumed) came
-        self._replay_from: int | None = None  # a resumed call: the inputs its snapshot holds
         self.attempts = 0
-        self.handovers: list[dict] = []
         self.playout = playout
         if playout is not None:
             playout.on_report = self.report_playout
@@ -148,17 +237,8 @@ class ConversationStream(_Senders):
         return self._stub.Converse(self._requests(start, attempt, ready, outbox), wait_for_ready=self._wait_for_ready)
 
     @property
-    def session(self) -> pb.Session | None:
-        return self._rx.session
-
-    @property
     def final(self) -> pb.SessionEvent | None:
         return self._rx.final
-
-    @property
-    def resumption(self) -> Resumption | None:
-        """What a resume needs (None: the session is not resumable)."""
-        return self._resume
 
     def _open_expired(self, timeout: float) -> None:
         if not self._opened.is_set():
@@ -170,11 +250,8 @@ class ConversationStream(_Senders):
         ready.wait()  # only the start is ever buffered for a retry
         if attempt != self.attempts or self._done.is_set():
             return  # a refused attempt's iterator: the messages belong to the call that opened
-        last = 0
-        if self._replay_from is not None:  # a resumed session: the inputs its snapshot lacks first
-            last, replay = self._resume.replay(self._replay_from)
-            self.handovers[-1]["replayed"] = len(replay)
-            yield from replay
+        last, replay = self._replay()  # a resumed session: the inputs its snapshot lacks first
+        yield from replay
         while not self._done.is_set():
             item = outbox.get()
             if item is None:
@@ -189,8 +266,7 @@ class ConversationStream(_Senders):
         if self._done.is_set():
             return
         with self._send_lock:
-            seq = self._resume.stamp(request) if self._resume is not None else None
-            self._outbox.put((seq, request))
+            self._outbox.put(self._stamp(request))
 
     def interrupt(self, frames_played: int | None = None) -> None:
         """Barge-in. With a PlayoutClock, it is flushed and its position sent; otherwise
@@ -227,22 +303,15 @@ class ConversationStream(_Senders):
         return self._messages
 
     def _receive(self):
-        backoff = 0.25
+        backoff = _Backoff()
         resume_by = None  # while a resume is opening: its deadline
         while True:
             try:
                 for resp in self._call:
-                    if self._resume is not None:
-                        resp = self._resume.receive(resp)
-                        if resp is None:
-                            continue
-                    if resp.WhichOneof("event") == "resumed":
-                        self._replay_from = resp.resumed.inputs
-                        self._rx.reset_interrupts(self._resume.interrupts_after(resp.resumed.inputs))
-                        self.handovers[-1]["resumed"] = time.monotonic()
+                    msg, resumed = self._accept(resp)
+                    if resumed:
                         resume_by = None
                         self._call_ready.set()
-                    msg = self._rx.receive(resp)
                     if msg is None:
                         continue
                     if isinstance(msg, pb.Session) and not self._opened.is_set():
@@ -256,32 +325,30 @@ class ConversationStream(_Senders):
                         if self.playout is not None:
                             self.playout.add_frames(len(msg.frames))
                     yield msg
-                if self._resume is not None and not self._done.is_set() and self._resume.can_resume(None):
+                if self._handed_over(self._done.is_set()):
                     resume_by = self._begin_resume("migration", None)
                     continue
                 break
             except grpc.RpcError as err:
                 code, now = err.code(), time.monotonic()
-                delay = backoff * random.uniform(0.5, 1.5)
+                delay = backoff.delay()
                 if not self._done.is_set():
                     if (self._reopen and not self._opened.is_set() and code in REOPEN_CODES
                             and (self._open_by is None or now + delay < self._open_by)):
                         if not self._done.wait(delay) and not self._open_timed_out:
-                            backoff = min(2 * backoff, 2.0)
+                            backoff.grow()
                             self._call = self._new_call(self._start, fresh_outbox=False)
                             if self._open_timed_out:  # the open timer fired meanwhile
                                 self._call.cancel()
                             continue
-                    elif resume_by is not None and (resume_by is math.inf or now + delay < resume_by) and code in RESUME_RETRY_CODES + (grpc.StatusCode.NOT_FOUND,):
+                    elif self._may_retry_resume(resume_by, now, delay, code):
                         if not self._done.wait(delay):
-                            backoff = min(2 * backoff, 2.0)
-                            latest = code == grpc.StatusCode.NOT_FOUND  # its snapshot is gone: the session's newest
-                            self._resume.resumes -= 1
-                            self._call = self._new_call(self._resume.resume_start(latest=latest), fresh_outbox=False)
+                            backoff.grow()
+                            self._call = self._new_call(self._retry_resume_start(code), fresh_outbox=False)
                             continue
-                    elif resume_by is None and self._opened.is_set() and self._resume is not None and self._resume.can_resume(code):
+                    elif self._may_recover(resume_by, self._opened.is_set(), code):
                         resume_by = self._begin_resume("recovery", code)
-                        backoff = 0.25
+                        backoff.reset()
                         continue
                 self._finish()
                 if self._open_timed_out and err.code() == grpc.StatusCode.CANCELLED:
@@ -291,10 +358,7 @@ class ConversationStream(_Senders):
 
     def _begin_resume(self, kind: str, code) -> float:
         """Opens the resume of the last snapshot; returns its deadline (inf: none)."""
-        self.handovers.append({"kind": kind, "code": code.name if code is not None else "OK", "ended": time.monotonic(),
-                               "step": self._resume.snapshot.step})
-        self._replay_from = None
-        self._call = self._new_call(self._resume.resume_start(), fresh_outbox=True)
+        self._call = self._new_call(self._resume_start(kind, code), fresh_outbox=True)
         return math.inf if self._open_timeout is None else time.monotonic() + self._open_timeout
 
     def _finish(self) -> None:
@@ -319,22 +383,19 @@ class ConversationStream(_Senders):
         self.close()
 
 
-class AsyncConversationStream(_Senders):
+class AsyncConversationStream(_ResumingStream):
     """`ConversationStream` over grpc.aio: the same requests, the same dropping after an
     interrupt, and the same resumes of a resumable session (a drain's hand-over, or a
     failure after a snapshot); `async for item in conv` yields the same messages. Build it
     with `AsyncConversationStream.open(channel, start_request(...), balanced=...)`."""
 
     def __init__(self, stub, start: pb.ConverseRequest, balanced: bool, resume_timeout: float):
+        super().__init__(start)
         self._stub, self._balanced, self._resume_timeout = stub, balanced, resume_timeout
-        self._rx = _Receiver()
-        self._resume = Resumption(start) if start.start.resumable else None
         self._closed = False
         self._attempt = 0
         self._outbox: asyncio.Queue = asyncio.Queue()  # the current call's: (input number or None, request), None ends it
         self._ready = asyncio.Event()  # the current call may send: its Session (or SessionResumed) came
-        self._replay_from: int | None = None
-        self.handovers: list[dict] = []
         self._call = self._new_call(start, fresh_outbox=False)
 
     @classmethod
@@ -358,12 +419,9 @@ class AsyncConversationStream(_Senders):
             await ready.wait()
             if attempt != self._attempt or self._closed:
                 return
-            last = 0
-            if self._replay_from is not None:
-                last, replay = self._resume.replay(self._replay_from)
-                self.handovers[-1]["replayed"] = len(replay)
-                for request in replay:
-                    yield request
+            last, replay = self._replay()
+            for request in replay:
+                yield request
             while True:
                 item = await outbox.get()
                 if item is None:
@@ -374,17 +432,8 @@ class AsyncConversationStream(_Senders):
 
         return self._stub.Converse(requests(), wait_for_ready=self._balanced)
 
-    @property
-    def session(self) -> pb.Session | None:
-        return self._rx.session
-
-    @property
-    def resumption(self) -> Resumption | None:
-        return self._resume
-
     def send(self, request: pb.ConverseRequest) -> None:
-        seq = self._resume.stamp(request) if self._resume is not None else None
-        self._outbox.put_nowait((seq, request))
+        self._outbox.put_nowait(self._stamp(request))
 
     def interrupt(self, frames_played: int | None = None, underruns: int = 0) -> None:
         """frames_played: the client's playback position when it cut playback (it discards
@@ -399,45 +448,38 @@ class AsyncConversationStream(_Senders):
         self._call.cancel()
 
     async def __aiter__(self):
-        opened, resume_by, backoff = False, None, 0.25
+        opened, resume_by, backoff = False, None, _Backoff()
         try:
             while True:
                 try:
                     async for resp in self._call:
-                        if self._resume is not None:
-                            resp = self._resume.receive(resp)
-                            if resp is None:
-                                continue
-                        if resp.WhichOneof("event") == "resumed":
-                            self._replay_from = resp.resumed.inputs
-                            self._rx.reset_interrupts(self._resume.interrupts_after(resp.resumed.inputs))
-                            self.handovers[-1]["resumed"] = time.monotonic()
+                        msg, resumed = self._accept(resp)
+                        if resumed:
                             resume_by = None
                             self._ready.set()
-                        msg = self._rx.receive(resp)
                         if msg is None:
                             continue
                         if isinstance(msg, pb.Session) and not opened:
                             opened = True
                             self._ready.set()
                         yield msg
-                    if self._resume is not None and not self._closed and self._resume.can_resume(None):
+                    if self._handed_over(self._closed):
                         resume_by = self._begin_resume("migration", None)
                         continue
                     return
                 except grpc.RpcError as err:
                     code, now = err.code(), time.monotonic()
-                    delay = backoff * random.uniform(0.5, 1.5)
+                    delay = backoff.delay()
                     if self._closed:
                         raise
-                    if resume_by is not None and now + delay < resume_by and code in RESUME_RETRY_CODES + (grpc.StatusCode.NOT_FOUND,):
+                    if self._may_retry_resume(resume_by, now, delay, code):
                         await asyncio.sleep(delay)
-                        backoff = min(2 * backoff, 2.0)
-                        self._resume.resumes -= 1
-                        self._call = self._new_call(self._resume.resume_start(latest=code == grpc.StatusCode.NOT_FOUND), fresh_outbox=False)
+                        backoff.grow()
+                        self._call = self._new_call(self._retry_resume_start(code), fresh_outbox=False)
                         continue
-                    if resume_by is None and opened and self._resume is not None and self._resume.can_resume(code):
-                        resume_by, backoff = self._begin_resume("recovery", code), 0.25
+                    if self._may_recover(resume_by, opened, code):
+                        resume_by = self._begin_resume("recovery", code)
+                        backoff.reset()
                         continue
                     raise
         finally:
@@ -445,8 +487,6 @@ class AsyncConversationStream(_Senders):
             self._outbox.put_nowait(None)
 
     def _begin_resume(self, kind: str, code) -> float:
-        self.handovers.append({"kind": kind, "code": code.name if code is not None else "OK", "ended": time.monotonic(),
-                               "step": self._resume.snapshot.step})
-        self._replay_from = None
-        self._call = self._new_call(self._resume.resume_start(), fresh_outbox=True)
+        """Opens the resume of the last snapshot; returns its deadline."""
+        self._call = self._new_call(self._resume_start(kind, code), fresh_outbox=True)
         return time.monotonic() + self._resume_timeout
