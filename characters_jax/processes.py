@@ -44,13 +44,26 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int:
 
 def stop_on_signals() -> threading.Event:
     """An event set by the first SIGTERM / SIGINT; later ones are logged and change nothing
-    (a drain runs to its deadline, however often it is asked for)."""
+    (a drain runs to its deadline, however often it is asked for). The handler takes no lock
+    (the main thread it interrupts may hold the event's own, e.g. inside stop.wait()): it
+    writes the signal's number to a pipe, and a watcher thread logs it and sets the event."""
     stop = threading.Event()
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
 
     def handler(signum, _frame):
-        log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name, "draining": stop.is_set()}})
-        stop.set()
+        try:
+            os.write(write_fd, bytes([signum]))
+        except BlockingIOError:  # the pipe is full: the watcher has signals enough to read
+            pass
 
+    def watch():
+        while True:
+            signum = os.read(read_fd, 1)[0]
+            log.info("signal received", extra={"fields": {"signal": signal.Signals(signum).name, "draining": stop.is_set()}})
+            stop.set()
+
+    threading.Thread(target=watch, name="stop-on-signals", daemon=True).start()
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop

@@ -10,6 +10,8 @@ snapshot store, behind the client library's balancer, over loopback.
   other worker, which regenerates the steps the client already holds (SessionResumed says
   how many and how old the snapshot was: what the crash cost) and goes on; nothing the client
   sent is lost (its inputs after the snapshot are replayed) and no step comes twice.
+- A burst of SIGTERMs (what a SIGKILLed worker's decoder gets) stops a process whose main
+  thread holds its stop event's lock: the signal handler takes no lock.
 
 Speech from serving_harness.speech with seeds 3 and 4.
 """
@@ -153,3 +155,25 @@ def test_sigkill_recovers_the_session_from_its_last_periodic_snapshot(pair):
     assert resumed.regenerated_steps * STEP_S <= INTERVAL_S + 1.0, (resumed.regenerated_steps, INTERVAL_S)
     assert 0 < resumed.snapshot_age_s < 30
     _check_stream(rec, {1: seg1, 2: seg2})
+
+
+STOP_SCRIPT = """
+import logging, os, signal
+from characters_jax.processes import stop_on_signals
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+stop = stop_on_signals()
+with stop._cond:  # the main thread holds the event's lock, as stop.wait() does on its way in and out
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+print("stopped" if stop.wait(20) else "not stopped", flush=True)
+"""
+
+
+def test_a_burst_of_sigterms_stops_a_process_whose_main_thread_holds_the_stop_events_lock():
+    """The SIGTERM handler of a worker or decoder process takes no lock: a SIGKILLed worker's
+    decoder gets its PR_SET_PDEATHSIG SIGTERM with others at once, and a handler that set the
+    event itself would wait for the event's lock, held by the main thread it interrupted, and
+    the process would never stop. Both signals are logged, the second as a drain's repeat."""
+    done = subprocess.run([sys.executable, "-c", STOP_SCRIPT], check=False, env=child_env(1), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "stopped", (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stderr.count("signal received") == 2, done.stderr[-2000:]
