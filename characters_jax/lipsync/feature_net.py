@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-import sys
 import time
 
 import jax
@@ -32,8 +31,8 @@ from flax import nnx
 
 from characters_jax.lipsync.augment import Augment, crop_jitter
 from characters_jax.lipsync.probe import WEIGHTS_DIR, Probe, crop_resize
-from characters_jax.lipsync.train import (FRAME_SIZES, POOL_MARGIN, VALIDATION_SIZES, base_config, render_inputs,
-                                          render_pool, sample_batch)
+from characters_jax.lipsync.train import (FRAME_SIZES, POOL_MARGIN, VALIDATION_SIZES, adamw, base_config, default_log,
+                                          fit, render_inputs, render_pool, sample_batch)
 
 KIND = "fidelity"
 QUALITY_TARGETS = ("blur",)
@@ -123,31 +122,21 @@ def _make_step(graphdef, cfg, optimizer, spec: FeatureSpec):
 def train_features(spec: FeatureSpec, log=None) -> tuple[Probe, dict]:
     """The trained feature network and its validation figures (deterministic from the seed
     on one machine)."""
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    log = log or default_log
     cfg = feature_config(spec)
     net = Probe.create(cfg, seed=spec.seed)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, spec.lr, min(200, spec.steps // 10 + 1), spec.steps, spec.lr * 0.02)
-    optimizer = optax.adamw(schedule, weight_decay=spec.weight_decay)
-    params, opt_state = net.params, optimizer.init(net.params)
+    optimizer = adamw(spec)
     step = _make_step(net.graphdef, cfg, optimizer, spec)
     rng = np.random.default_rng([spec.seed, 11])
     t0 = time.monotonic()
     crops, identities = render_pool(cfg, rng, spec.pool, spec.frame_sizes, log=log)
     pool_s = time.monotonic() - t0
-    key = jax.random.key(spec.seed)
-    losses = []
-    for i in range(spec.steps):
-        idx = rng.integers(0, len(crops), spec.batch)
-        key, sub = jax.random.split(key)
-        params, opt_state, loss = step(params, opt_state, sub, jnp.asarray(crops[idx]), jnp.asarray(identities[idx]))
-        losses.append(loss)
-        if (i + 1) % 200 == 0 or i + 1 == spec.steps:
-            log(f"train-features: step {i + 1}/{spec.steps} loss {float(jnp.mean(jnp.stack(losses[-200:]))):.4f} "
-                f"({time.monotonic() - t0:.0f} s)")
+    params, final_loss = fit(net.params, optimizer, step, crops, identities, spec, rng, label="train-features", t0=t0,
+                             log=log)
     train_s = time.monotonic() - t0 - pool_s
     net = net.with_params(params)
     meta = {"train_spec": dataclasses.asdict(spec), "pool_seconds": round(pool_s, 1), "train_seconds": round(train_s, 1),
-            "final_loss": float(jnp.mean(jnp.stack(losses[-200:]))), "validation": validate(net, spec)}
+            "final_loss": final_loss, "validation": validate(net, spec)}
     return dataclasses.replace(net, cfg=dataclasses.replace(cfg, meta=meta)), meta
 
 

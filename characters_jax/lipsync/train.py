@@ -149,21 +149,25 @@ def _make_step(graphdef, cfg: ProbeConfig, optimizer, aug: augment.Augment):
     return step
 
 
-def train_probe(spec: TrainSpec, log=None) -> tuple[Probe, dict]:
-    """A trained probe of spec.kind and its validation figures."""
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    cfg = dataclasses.replace(base_config(spec.kind, spec.seed), widths=tuple(spec.widths))
-    probe = Probe.create(cfg, seed=spec.seed)
+def default_log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def adamw(spec) -> optax.GradientTransformation:
+    """AdamW at spec.lr (weight decay spec.weight_decay): a linear warm-up over
+    min(200, spec.steps // 10 + 1) steps, then a cosine decay to 2 % of it at spec.steps."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, spec.lr, min(200, spec.steps // 10 + 1), spec.steps,
                                                   spec.lr * 0.02)
-    optimizer = optax.adamw(schedule, weight_decay=spec.weight_decay)
-    params, opt_state = probe.params, optimizer.init(probe.params)
-    aug = augment.MOUTH_AUGMENT if spec.kind == "mouth" else augment.IDENTITY_AUGMENT
-    step = _make_step(probe.graphdef, cfg, optimizer, aug)
-    rng = np.random.default_rng([spec.seed, 1])
-    t0 = time.monotonic()
-    crops, targets = render_pool(cfg, rng, spec.pool, spec.frame_sizes, log=log)
-    pool_s = time.monotonic() - t0
+    return optax.adamw(schedule, weight_decay=spec.weight_decay)
+
+
+def fit(params, optimizer, step, crops: np.ndarray, targets: np.ndarray, spec, rng: np.random.Generator, *,
+        label: str, t0: float, log) -> tuple[object, float]:
+    """spec.steps calls of `step(params, opt_state, key, crops, targets) -> (params, opt_state,
+    loss)` on batches of spec.batch drawn from the pool with `rng` (keys from spec.seed), logged
+    every 200 steps as `label` with the seconds since t0. Returns (the trained params, the mean
+    loss of the last 200 steps)."""
+    opt_state = optimizer.init(params)
     key = jax.random.key(spec.seed)
     losses = []
     for i in range(spec.steps):
@@ -173,15 +177,30 @@ def train_probe(spec: TrainSpec, log=None) -> tuple[Probe, dict]:
         losses.append(loss)
         if (i + 1) % 200 == 0 or i + 1 == spec.steps:
             recent = float(jnp.mean(jnp.stack(losses[-200:])))
-            log(f"train-probe {spec.kind}: step {i + 1}/{spec.steps} loss {recent:.4f} "
-                f"({time.monotonic() - t0:.0f} s)")
+            log(f"{label}: step {i + 1}/{spec.steps} loss {recent:.4f} ({time.monotonic() - t0:.0f} s)")
+    return params, float(jnp.mean(jnp.stack(losses[-200:])))
+
+
+def train_probe(spec: TrainSpec, log=None) -> tuple[Probe, dict]:
+    """A trained probe of spec.kind and its validation figures."""
+    log = log or default_log
+    cfg = dataclasses.replace(base_config(spec.kind, spec.seed), widths=tuple(spec.widths))
+    probe = Probe.create(cfg, seed=spec.seed)
+    optimizer = adamw(spec)
+    aug = augment.MOUTH_AUGMENT if spec.kind == "mouth" else augment.IDENTITY_AUGMENT
+    step = _make_step(probe.graphdef, cfg, optimizer, aug)
+    rng = np.random.default_rng([spec.seed, 1])
+    t0 = time.monotonic()
+    crops, targets = render_pool(cfg, rng, spec.pool, spec.frame_sizes, log=log)
+    pool_s = time.monotonic() - t0
+    params, final_loss = fit(probe.params, optimizer, step, crops, targets, spec, rng, label=f"train-probe {spec.kind}",
+                             t0=t0, log=log)
     train_s = time.monotonic() - t0
     probe = probe.with_params(params)
     figures = validate(probe, spec)
     weights = tuple(float(w) for w in figures.pop("distance_weights"))
     meta = {"train_spec": dataclasses.asdict(spec), "pool_seconds": round(pool_s, 1),
-            "train_seconds": round(train_s, 1), "final_loss": float(jnp.mean(jnp.stack(losses[-200:]))),
-            "validation": figures}
+            "train_seconds": round(train_s, 1), "final_loss": final_loss, "validation": figures}
     probe = dataclasses.replace(probe, cfg=dataclasses.replace(cfg, weights=weights, meta=meta))
     return probe, meta
 
