@@ -106,33 +106,26 @@ def register(subparsers) -> None:
                             "names the model config (--set config=NAME)")
         add_set_argument(q, SETTINGS_TABLES + "; the model config's: " + CONFIG_TABLES)
 
-    q = sub.add_parser("all", help="data, VAE, latents, DiT, weights and evaluation within a deadline (resumable)")
-    common(q)
-    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
-                                                "budget.deadline_s)")
-    q.add_argument("--export", default=None,
-                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
-    q.set_defaults(func=_errors(_all))
+    def resumable(name, help, func, from_weights: bool) -> None:
+        """A stage that writes a resumable output directory (from_weights: a fine-tune of a
+        trained weights directory)."""
+        q = sub.add_parser(name, help=help)
+        common(q)
+        if from_weights:
+            q.add_argument("--weights", required=True,
+                           help="the weights directory to start from (e.g. checkpoints/talking)")
+        q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
+                                                    "budget.deadline_s)")
+        q.add_argument("--export", default=None,
+                       help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
+        q.set_defaults(func=_errors(func))
 
-    q = sub.add_parser("rollout", help="the self-rollout stage from a trained weights directory (a fine-tune; "
-                                       "resumable), then its weights and evaluation")
-    common(q)
-    q.add_argument("--weights", required=True, help="the weights directory to start from (e.g. checkpoints/talking)")
-    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
-                                                "budget.deadline_s)")
-    q.add_argument("--export", default=None,
-                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
-    q.set_defaults(func=_errors(_rollout))
-
-    q = sub.add_parser("decoder", help="the VAE's decoder trained again on longer streams (--set vae.chunks=N), the "
-                                       "encoder and the DiT kept; then its weights and evaluation (resumable)")
-    common(q)
-    q.add_argument("--weights", required=True, help="the weights directory to start from (e.g. checkpoints/talking)")
-    q.add_argument("--out", required=True, help="output directory; a rerun resumes from it (wall-clock deadline: "
-                                                "budget.deadline_s)")
-    q.add_argument("--export", default=None,
-                   help="also copy weights.tar, eval.json, eval.md and summary.json here as each is written")
-    q.set_defaults(func=_errors(_decoder))
+    resumable("all", "data, VAE, latents, DiT, weights and evaluation within a deadline (resumable)", _all,
+              from_weights=False)
+    resumable("rollout", "the self-rollout stage from a trained weights directory (a fine-tune; resumable), then its "
+                         "weights and evaluation", _rollout, from_weights=True)
+    resumable("decoder", "the VAE's decoder trained again on longer streams (--set vae.chunks=N), the encoder and the "
+                         "DiT kept; then its weights and evaluation (resumable)", _decoder, from_weights=True)
 
     q = sub.add_parser("eval", help="lip sync, identity and drift of a weights directory on held-out clips")
     common(q)
