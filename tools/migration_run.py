@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -154,11 +155,26 @@ def sigkill_halfway(workers: dict[str, Worker], fps: int, seconds: float, log: l
         rec.wait(lambda: video_s(rec, fps) >= seconds / 2 and periodic(rec) and rec.chunks[-1].step_index > periodic(rec)[-1].step, 600)
         name = conv.session.worker_id
         held = rec.chunks[-1].step_index
+        decoder_pid = workers[name].state()["decoder_pid"]
         workers[name].proc.kill()
         log.append({"signal": "SIGKILL", "worker": name, "video_s": round(video_s(rec, fps), 2), "last_step_held": held,
                     "last_snapshot_step": periodic(rec)[-1].step, "exit": workers[name].proc.wait(30)})
         rec.wait(lambda: resumed_count(rec) >= 1, 300)
+        log[-1]["its_decoder_gone_s"] = gone_within(decoder_pid, 60)
     return faults
+
+
+def gone_within(pid: int, timeout: float) -> float | None:
+    """Seconds until process `pid` (not a child of this one) is gone; None if it is still there
+    after `timeout`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+    return None
 
 
 def pct(vals, q) -> float | None:
