@@ -16,6 +16,7 @@ tokens' mean, so a frame shows which step and which audio made it).
 - The store's limits: snapshots kept per session, sessions past keep_s, the size limit
   (unclaimed sessions removed oldest first, a live one never), a failed snapshot counted and
   the session going on.
+- The playout clock counts no underrun for a stream that ends while it waits.
 
 Speech from serving_harness.speech with seeds 1 and 2; session seed 0.
 """
@@ -367,3 +368,23 @@ def test_the_async_stream_follows_a_migration(store):
     chunks = [x for x in items if isinstance(x, pb.VideoChunk)]
     _check_contiguous(chunks)
     timeline_of(chunks, {1: seg})
+
+
+def test_a_stream_that_ends_while_the_playout_clock_waits_is_no_underrun():
+    """A session's stream that ends after its last frame has played (its end comes after the
+    next frame was due: the worker closing a completed session) has finished playing, as a
+    drain's hand-over that the lead covers must show no underrun either. A frame that comes
+    while the clock waits is one (the control)."""
+    clock = PlayoutClock(24, prebuffer_frames=4)
+
+    def waiting():  # every frame received has played, and the clock waits for the next
+        with clock._cond:
+            return clock.played == clock.received and len(clock._cond._waiters) == 1
+
+    clock.add_frames(4)
+    poll(waiting, 10)
+    clock.add_frames(1)  # late: an underrun
+    poll(lambda: clock.played == 5 and waiting(), 10)
+    clock.end()  # the stream ends while the clock waits
+    clock.wait_drained(10)
+    assert (clock.played, clock.underruns) == (5, 1) and clock.stall_s > 0

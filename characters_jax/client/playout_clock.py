@@ -2,7 +2,7 @@
 
 Playback starts once `prebuffer_frames` have arrived; every 1/fps it shows the next frame.
 If the next frame has not arrived, that is an underrun: the clock stalls until it does
-(it never skips). `flush()` (an interrupt) drops the frames not yet shown; the wait for the
+(it never skips); a stream that ends while the clock waits has finished playing, no underrun. `flush()` (an interrupt) drops the frames not yet shown; the wait for the
 frames after it is a gap, not an underrun. `frames_played` and `underruns` are what the
 client reports to the worker, which paces its step loop to them.
 """
@@ -75,16 +75,16 @@ class PlayoutClock:
                     if self.ended:
                         return
                     gap = self._gap
-                    self.underruns += 0 if gap else 1
                     t0 = time.monotonic()
                     while self.played >= self.received and not self.ended:
                         self._cond.wait()
                     if self.played >= self.received:
-                        return
+                        return  # the stream ended while the clock waited: playback finished
                     stalled = time.monotonic() - t0
                     if gap:
                         self.gap_s += stalled
                     else:
+                        self.underruns += 1
                         self.stall_s += stalled
                     t_next = max(t_next, time.monotonic())
                 self._gap = False
