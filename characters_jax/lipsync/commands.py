@@ -48,10 +48,15 @@ def _train_probe(args) -> int:
     steps, widths = DEFAULTS[kind]
     spec = with_sets(TrainSpec(kind=kind, steps=steps, widths=widths), "probe", args.set)
     probe, meta = train_probe(spec)
-    out = args.out or default_path(spec.kind)
+    return _save_trained(probe, meta, args.out or default_path(spec.kind))
+
+
+def _save_trained(net, meta: dict, out) -> int:
+    """Saves a trained probe or feature network to `out` with the command that trained it in
+    its meta, prints its validation figures (JSON) and the path."""
     command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    probe = dataclasses.replace(probe, cfg=dataclasses.replace(probe.cfg, meta={**probe.cfg.meta, "command": command}))
-    probe.save(out)
+    net = dataclasses.replace(net, cfg=dataclasses.replace(net.cfg, meta={**net.cfg.meta, "command": command}))
+    net.save(out)
     print(json.dumps(meta["validation"], indent=1))
     print(f"wrote {out}")
     return 0
@@ -63,13 +68,7 @@ def _train_features(args) -> int:
 
     spec = with_sets(FeatureSpec(), "features", args.set)
     net, meta = train_features(spec)
-    out = args.out or default_path()
-    command = "characters-jax lipsync " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    net = dataclasses.replace(net, cfg=dataclasses.replace(net.cfg, meta={**net.cfg.meta, "command": command}))
-    net.save(out)
-    print(json.dumps(meta["validation"], indent=1))
-    print(f"wrote {out}")
-    return 0
+    return _save_trained(net, meta, args.out or default_path())
 
 
 def _fidelity(args) -> int:
