@@ -11,32 +11,35 @@ def write_mp4(path, frames: list[np.ndarray], audio: np.ndarray, fps: int = 24, 
     """frames: [H, W, 3] uint8 each (H, W even); audio: int16 mono [n]."""
     import av
 
+    def audio_frame(piece: np.ndarray):
+        af = av.AudioFrame.from_ndarray(piece[None, :], format="fltp", layout="mono")
+        af.sample_rate = sample_rate
+        return af
+
     with av.open(str(path), "w") as out:
         v = out.add_stream("libx264", rate=fps)
         h, w, _ = frames[0].shape
         v.width, v.height, v.pix_fmt = w, h, "yuv420p"
         v.options = {"crf": "20", "preset": "veryfast"}
         a = out.add_stream("aac", rate=sample_rate, layout="mono")
-        for i, f in enumerate(frames):
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            vf.pts = i
-            vf.time_base = fractions.Fraction(1, fps)
-            for p in v.encode(vf):
-                out.mux(p)
-        for p in v.encode():
-            out.mux(p)
+        _encode(out, v, ((av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24"), i)
+                         for i, f in enumerate(frames)), fractions.Fraction(1, fps))
         n = a.codec_context.frame_size or 1024
         samples = np.asarray(audio, np.int16).astype(np.float32) / 32768.0
-        for i in range(0, len(samples), n):
-            piece = samples[i : i + n]
-            af = av.AudioFrame.from_ndarray(piece[None, :], format="fltp", layout="mono")
-            af.sample_rate = sample_rate
-            af.pts = i
-            af.time_base = fractions.Fraction(1, sample_rate)
-            for p in a.encode(af):
-                out.mux(p)
-        for p in a.encode():
+        _encode(out, a, ((audio_frame(samples[i : i + n]), i) for i in range(0, len(samples), n)),
+                fractions.Fraction(1, sample_rate))
+
+
+def _encode(out, stream, frames, time_base: fractions.Fraction) -> None:
+    """Encodes (frame, pts) pairs (pts in `time_base`) into `stream`, muxing its packets into
+    `out`, then flushes the encoder."""
+    for frame, pts in frames:
+        frame.pts = pts
+        frame.time_base = time_base
+        for p in stream.encode(frame):
             out.mux(p)
+    for p in stream.encode():
+        out.mux(p)
 
 
 def probe_mp4(path) -> dict:
