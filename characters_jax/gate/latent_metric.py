@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from characters_jax.gate.distance import Divergence, Spread, Verdict, judge
-from characters_jax.gate.metric import Judgement
+from characters_jax.gate.metric import Judgement, cell
 from characters_jax.gate.options import LatentOptions
 
 
@@ -31,14 +31,6 @@ class LatentEvaluation:
 
     latents: np.ndarray
     psnr: np.ndarray | None = None
-
-
-def _fmt(x, spec: str) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return format(x, spec)
 
 
 class LatentMetric:
@@ -123,13 +115,13 @@ class LatentMetric:
         if j is None:
             return ["-"] * len(self.headers())
         v: Verdict = j.detail[0]
-        psnr = [_fmt(v.psnr_mean, ".1f"), _fmt(v.psnr_worst, ".1f")] if self.decodes else []
+        psnr = [cell(v.psnr_mean, ".1f"), cell(v.psnr_worst, ".1f")] if self.decodes else []
         leave = "-" if v.leaves_band_at is None else str(v.leaves_band_at)
         verdict = "(ref)" if reference else ("within" if v.ok else "outside")
-        return [_fmt(v.latent_mean, ".2e"), _fmt(v.latent_worst, ".2e"), *psnr, leave, verdict]
+        return [cell(v.latent_mean, ".2e"), cell(v.latent_worst, ".2e"), *psnr, leave, verdict]
 
     def band_cells(self, s: Spread) -> list[str]:
-        psnr = [_fmt(s.psnr_mean, ".1f"), _fmt(s.psnr_worst, ".1f")] if self.decodes else []
+        psnr = [cell(s.psnr_mean, ".1f"), cell(s.psnr_worst, ".1f")] if self.decodes else []
         return [f"{s.latent_mean:.2e}", f"{s.latent_worst:.2e}", *psnr, "", f"x{s.factor:g} allowed"]
 
     def summary(self, base: LatentEvaluation) -> str:

@@ -68,7 +68,8 @@ class Scores:
     finite: bool = True
 
 
-def _f(x, spec: str = "+.4f") -> str:
+def cell(x, spec: str = "+.4f") -> str:
+    """A table cell: x formatted with `spec`; '-' for None or NaN, 'inf' for an infinity."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     if isinstance(x, float) and math.isinf(x):
@@ -133,11 +134,11 @@ class ScoreMetric:
                 continue
             ok = None if reference else j.ok[s]
             mark = "" if ok is None or ok else " **x**"
-            out += [_f(j.figures[s]) + mark, "" if reference or band is None else "+-" + _f(band[s].tolerance, ".4f")]
+            out += [cell(j.figures[s]) + mark, "" if reference or band is None else "+-" + cell(band[s].tolerance, ".4f")]
         return out
 
     def band_cells(self, band: dict) -> list[str]:
-        return [c for s in self.scores for c in (f"V {_f(band[s].value, '.4f')}", _f(band[s].tolerance, ".4f"))]
+        return [c for s in self.scores for c in (f"V {cell(band[s].value, '.4f')}", cell(band[s].tolerance, ".4f"))]
 
     def band_json(self, band: dict) -> dict:
         def clean(x):
