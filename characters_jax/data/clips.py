@@ -182,11 +182,7 @@ def reference_image(identity: np.ndarray, params: np.ndarray, height: int, width
     parameters [T, FRAME_PARAMS]: frame 0's head pose, mouth closed and neutral, eyes open."""
     from characters_jax.data.face import render_frames
 
-    still = np.asarray(params[:1], np.float32).copy()
-    still[:, motion.JAW] = 0.0
-    still[:, motion.WIDTH] = 0.5
-    still[:, motion.BLINK] = 0.0
-    return render_frames(identity, still, height, width)[0]
+    return render_frames(identity, motion.still_params(np.asarray(params[:1], np.float32), 1), height, width)[0]
 
 
 def wav_bytes(audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:

@@ -71,3 +71,12 @@ def still(num_frames: int) -> np.ndarray:
     out = np.zeros((num_frames, FRAME_PARAMS), np.float32)
     out[:, WIDTH] = 0.5
     return out
+
+
+def still_params(params: np.ndarray, frames: int) -> np.ndarray:
+    """[frames, FRAME_PARAMS] (params' dtype): the portrait pose of a clip's frame parameters
+    [T, FRAME_PARAMS] (its reference image): frame 0's head pose, mouth closed and neutral,
+    eyes open, held still."""
+    p = np.repeat(params[:1], frames, axis=0)
+    p[:, JAW], p[:, WIDTH], p[:, BLINK] = 0.0, 0.5, 0.0
+    return p

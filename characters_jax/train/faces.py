@@ -46,14 +46,6 @@ def face_params(rng: np.random.Generator, frames: int, fps: int = 24) -> np.ndar
     return motion.frame_params(track, motion.blinks(rng, frames, fps), motion.head_motion(rng, frames, fps))
 
 
-def still_params(params: np.ndarray, frames: int) -> np.ndarray:
-    """[frames, FRAME_PARAMS]: the portrait pose (the data package's reference image): frame
-    0's head pose, mouth closed and neutral, eyes open, held still."""
-    p = np.repeat(params[:1], frames, axis=0)
-    p[:, JAW], p[:, WIDTH], p[:, BLINK] = 0.0, 0.5, 0.0
-    return p
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class FacePool:
@@ -72,7 +64,7 @@ class FacePool:
     def sample(self, key, batch: int, frames: int, still_fraction: float = 0.1):
         """(identities [B, IDENTITY_SIZE], params [B, frames, FRAME_PARAMS]): a random
         identity with a random window of a random motion; a still_fraction of them the still
-        portrait chunk (`still_params`)."""
+        portrait chunk (`motion.still_params`)."""
         k1, k2, k3, k4 = jax.random.split(key, 4)
         span = self.motion.shape[1]
         ident = self.identities[jax.random.randint(k1, (batch,), 0, self.identities.shape[0])]

@@ -22,7 +22,8 @@ import numpy as np
 from characters_jax.audio.features import AudioFrontEnd
 from characters_jax.config import Config
 from characters_jax.weights.directory import LatentStats
-from characters_jax.train.faces import render_video, still_params
+from characters_jax.data.motion import still_params
+from characters_jax.train.faces import render_video
 from characters_jax.train.geometry import mouth_mask
 from characters_jax.data.plans import PlanSet
 
