@@ -17,8 +17,10 @@ weights.tar (the directory with the fine-tuned part), eval/ and summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import pathlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -27,6 +29,9 @@ from characters_jax.config import Config
 from characters_jax.weights.directory import Weights, abstract_tree, check_tree, open_weights, tree_spec
 from characters_jax.weights.dit import dit_target
 from characters_jax.train.settings import TrainSettings
+
+if TYPE_CHECKING:
+    from characters_jax.train.pipeline import PlanQueue, RunDir
 
 
 def load_trained(weights: Weights, cfg: Config):
@@ -40,42 +45,65 @@ def load_trained(weights: Weights, cfg: Config):
     return weights.restore("dit", abstract_tree(target)), vae, weights.restore("vae", abstract_tree(vae.initial))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Finetune:
+    """A fine-tune's run under way: its RunDir, the weights directory it starts from, its
+    summary, its plan queue and the directory's trained (DiT params, Vae, VAE params)."""
+
+    run: RunDir
+    weights: Weights
+    summary: dict
+    queue: PlanQueue
+    dit_params: object
+    vae: object
+    vae_params: dict
+
+
+@contextlib.contextmanager
+def _finetune_run(cfg: Config, s: TrainSettings, command: str, detail: str, weights_dir, out, deadline_s, log,
+                  train_plans: bool) -> Iterator[_Finetune]:
+    """Opens `out` for `train {command}` from `weights_dir` (logged with `detail`), starts the
+    plan makers (train plans only if train_plans) and loads the trained weights; stops the
+    plan makers on leaving."""
+    from characters_jax.train.pipeline import PlanQueue, RunDir, plan_makers, use_compile_cache
+
+    run = RunDir.open(s, out, deadline_s, log)
+    weights = open_weights(weights_dir, cfg)
+    summary: dict = {"config": cfg.name, "deadline_s": run.deadline_s, "from_weights": str(weights.path), "stages": {}}
+    run.log(f"train {command}: config {cfg.name} from {weights.path}{detail}, deadline {run.deadline_s:.0f} s, backend "
+            f"{jax.default_backend()}, into {run.out}")
+    use_compile_cache(run.out / "xla-cache")
+    makers = plan_makers(cfg, s, run.out / "plans")
+    if not train_plans:
+        makers.pop("train")
+    queue = PlanQueue(makers).start()
+    try:
+        yield _Finetune(run, weights, summary, queue, *load_trained(weights, cfg))
+    finally:
+        queue.stop()
+
+
 def finetune(cfg: Config, s: TrainSettings, weights_dir, out, deadline_s: float | None = None, log=None,
              export=None) -> dict:
     """Runs or resumes the self-rollout stage from `weights_dir` into `out` within the
     deadline (the rollout gets what the evaluation's share and the packing leave); returns
     the summary (also out/summary.json)."""
-    from characters_jax.train.pipeline import (PACK_RESERVE_S, Clock, PlanQueue, pack_and_evaluate, plan_makers,
-                                               run_rollout_stage, stage_data, stage_summary, use_compile_cache)
-    from characters_jax.train.state_io import StageStore, write_json
+    from characters_jax.train.pipeline import pack_and_evaluate, run_rollout_stage, stage_data, stage_summary
+    from characters_jax.train.state_io import StageStore
 
-    deadline_s = deadline_s or s.budget.deadline_s
-    clock = Clock(deadline_s)
-    log = log or clock.logger()
-    out = pathlib.Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    weights = open_weights(weights_dir, cfg)
-    summary: dict = {"config": cfg.name, "deadline_s": deadline_s, "from_weights": str(weights.path), "stages": {}}
-    log(f"train rollout: config {cfg.name} from {weights.path}, deadline {deadline_s:.0f} s, backend "
-        f"{jax.default_backend()}, into {out}")
-    use_compile_cache(out / "xla-cache")
-    queue = PlanQueue(plan_makers(cfg, s, out / "plans")).start()
-    try:
-        dit_params, vae, vae_params = load_trained(weights, cfg)
-        store = StageStore(out / "rollout")
-        data, stats = stage_data(cfg, s, out, queue, store, vae, vae_params, summary, clock, log, stats=weights.stats)
-        t = clock.elapsed
-        budget = 0.0 if store.done else max(0.0, clock.left - s.budget.eval * deadline_s - PACK_RESERVE_S)
-        dit_params, record = run_rollout_stage(cfg, s, data, store, budget, log, dit_params)
-        summary["stages"]["rollout"] = stage_summary(record, clock.elapsed - t)
+    with _finetune_run(cfg, s, "rollout", "", weights_dir, out, deadline_s, log, train_plans=True) as ft:
+        run, summary = ft.run, ft.summary
+        store = StageStore(run.out / "rollout")
+        data, stats = stage_data(cfg, s, run.out, ft.queue, store, ft.vae, ft.vae_params, summary, run.clock, run.log,
+                                 stats=ft.weights.stats)
+        t = run.clock.elapsed
+        dit_params, record = run_rollout_stage(cfg, s, data, store, run.budget_before_eval(s, store), run.log,
+                                               ft.dit_params)
+        summary["stages"]["rollout"] = stage_summary(record, run.clock.elapsed - t)
         del data
-        pack_and_evaluate(cfg, s, out, queue, dit_params, vae_params, stats, summary, clock, log, export)
-    finally:
-        queue.stop()
-    summary["seconds"] = round(clock.elapsed, 1)
-    write_json(out / "summary.json", summary)
-    log(f"train rollout: done in {clock.elapsed:.0f} s")
-    return summary
+        pack_and_evaluate(cfg, s, run.out, ft.queue, dit_params, ft.vae_params, stats, summary, run.clock, run.log,
+                          export)
+    return run.finish("rollout", summary)
 
 
 def tune_decoder(cfg: Config, s: TrainSettings, vae, vae_params, store, budget_s: float, log):
@@ -110,37 +138,18 @@ def finetune_decoder(cfg: Config, s: TrainSettings, weights_dir, out, deadline_s
     """Runs or resumes the decoder's fine-tune from `weights_dir` into `out` within the
     deadline (the stage gets what the evaluation's share and the packing leave); returns the
     summary (also out/summary.json)."""
-    from characters_jax.train.pipeline import (PACK_RESERVE_S, Clock, PlanQueue, pack_and_evaluate, plan_makers,
-                                               stage_summary, use_compile_cache)
-    from characters_jax.train.state_io import StageStore, write_json
+    from characters_jax.train.pipeline import pack_and_evaluate, stage_summary
+    from characters_jax.train.state_io import StageStore
 
-    deadline_s = deadline_s or s.budget.deadline_s
-    clock = Clock(deadline_s)
-    log = log or clock.logger()
-    out = pathlib.Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    weights = open_weights(weights_dir, cfg)
-    summary: dict = {"config": cfg.name, "deadline_s": deadline_s, "from_weights": str(weights.path), "stages": {}}
-    log(f"train decoder: config {cfg.name} from {weights.path}, {s.vae.chunks}-chunk streams, deadline "
-        f"{deadline_s:.0f} s, backend {jax.default_backend()}, into {out}")
-    use_compile_cache(out / "xla-cache")
-    makers = plan_makers(cfg, s, out / "plans")
-    makers.pop("train")
-    queue = PlanQueue(makers).start()
-    try:
-        dit_params, vae, vae_params = load_trained(weights, cfg)
-        store = StageStore(out / "decoder")
-        t = clock.elapsed
-        budget = 0.0 if store.done else max(0.0, clock.left - s.budget.eval * deadline_s - PACK_RESERVE_S)
-        decoder, record = tune_decoder(cfg, s, vae, vae_params, store, budget, log)
+    with _finetune_run(cfg, s, "decoder", f", {s.vae.chunks}-chunk streams", weights_dir, out, deadline_s, log,
+                       train_plans=False) as ft:
+        run, summary = ft.run, ft.summary
+        store = StageStore(run.out / "decoder")
+        t = run.clock.elapsed
+        decoder, record = tune_decoder(cfg, s, ft.vae, ft.vae_params, store, run.budget_before_eval(s, store), run.log)
         if not store.done:
             store.mark_done({"step": record.get("planned_steps")})
-        summary["stages"]["decoder"] = stage_summary(record, clock.elapsed - t)
-        pack_and_evaluate(cfg, s, out, queue, dit_params, {**vae_params, "decoder": decoder}, weights.stats, summary,
-                          clock, log, export)
-    finally:
-        queue.stop()
-    summary["seconds"] = round(clock.elapsed, 1)
-    write_json(out / "summary.json", summary)
-    log(f"train decoder: done in {clock.elapsed:.0f} s")
-    return summary
+        summary["stages"]["decoder"] = stage_summary(record, run.clock.elapsed - t)
+        pack_and_evaluate(cfg, s, run.out, ft.queue, ft.dit_params, {**ft.vae_params, "decoder": decoder},
+                          ft.weights.stats, summary, run.clock, run.log, export)
+    return run.finish("decoder", summary)

@@ -19,12 +19,14 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
 import tarfile
 import time
 import traceback
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -62,6 +64,42 @@ class Clock:
             print(f"[{self.elapsed:6.1f}s] {msg}", file=stream, flush=True)
 
         return log
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """One run of a `train` stage command: its output directory (made), its deadline
+    (seconds; default the settings' budget.deadline_s), its Clock and its log (default the
+    clock's logger)."""
+
+    out: pathlib.Path
+    deadline_s: float
+    clock: Clock
+    log: Callable[[str], None]
+
+    @classmethod
+    def open(cls, s: TrainSettings, out, deadline_s: float | None, log) -> RunDir:
+        deadline_s = deadline_s or s.budget.deadline_s
+        clock = Clock(deadline_s)
+        out = pathlib.Path(out).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        return cls(out, deadline_s, clock, log or clock.logger())
+
+    def budget_before_eval(self, s: TrainSettings, store: StageStore, reserve_s: float = 0.0) -> float:
+        """Seconds for a stage: what the deadline leaves after `reserve_s`, the evaluation's
+        share and the packing (0 once `store` is done)."""
+        if store.done:
+            return 0.0
+        return max(0.0, self.clock.left - reserve_s - s.budget.eval * self.deadline_s - PACK_RESERVE_S)
+
+    def finish(self, command: str, summary: dict, export=None) -> dict:
+        """Writes the summary with the run's seconds (also to `export`), logs the end of
+        `train {command}` and returns the summary."""
+        summary["seconds"] = round(self.clock.elapsed, 1)
+        write_json(self.out / "summary.json", summary)
+        _export(export, self.out / "summary.json")
+        self.log(f"train {command}: done in {self.clock.elapsed:.0f} s")
+        return summary
 
 
 def plan_makers(cfg: Config, s: TrainSettings, plans_dir: pathlib.Path) -> dict[str, PlanMaker]:
@@ -126,11 +164,8 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
     from characters_jax.train.dit_train import train_dit
     from characters_jax.train.vae_train import train_vae
 
-    deadline_s = deadline_s or s.budget.deadline_s
-    clock = Clock(deadline_s)
-    log = log or clock.logger()
-    out = pathlib.Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    run = RunDir.open(s, out, deadline_s, log)
+    out, deadline_s, clock, log = run.out, run.deadline_s, run.clock, run.log
     b = s.budget
     summary: dict = {"config": cfg.name, "deadline_s": deadline_s, "stages": {}}
     log(f"train all: config {cfg.name}, deadline {deadline_s:.0f} s, backend {jax.default_backend()}, into {out}")
@@ -156,8 +191,7 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         # the DiT takes what the deadline leaves after the self-rollout's and the evaluation's
         # shares and the packing
         rollout_store = StageStore(out / "rollout") if b.rollout > 0 else None
-        reserve = (b.eval + b.rollout) * deadline_s + PACK_RESERVE_S
-        dit_budget = 0.0 if dit_store.done else max(0.0, clock.left - reserve)
+        dit_budget = run.budget_before_eval(s, dit_store, reserve_s=b.rollout * deadline_s)
         graphdef, dit_params, dit_record = train_dit(cfg, s.dit, data, dit_store, dit_budget, log, s.seed)
         if not dit_store.done:
             dit_store.mark_done({"step": dit_record.get("planned_steps")})
@@ -166,18 +200,14 @@ def train_all(cfg: Config, s: TrainSettings, out, deadline_s: float | None = Non
         # self-rollout, from the DiT stage's weights
         if rollout_store is not None:
             t = clock.elapsed
-            budget = 0.0 if rollout_store.done else max(0.0, clock.left - b.eval * deadline_s - PACK_RESERVE_S)
+            budget = run.budget_before_eval(s, rollout_store)
             dit_params, rollout_record = run_rollout_stage(cfg, s, data, rollout_store, budget, log, dit_params)
             summary["stages"]["rollout"] = stage_summary(rollout_record, clock.elapsed - t)
         del data
         pack_and_evaluate(cfg, s, out, queue, dit_params, vae_params, stats, summary, clock, log, export)
     finally:
         queue.stop()
-    summary["seconds"] = round(clock.elapsed, 1)
-    write_json(out / "summary.json", summary)
-    _export(export, out / "summary.json")
-    log(f"train all: done in {clock.elapsed:.0f} s")
-    return summary
+    return run.finish("all", summary, export)
 
 
 def stage_data(cfg: Config, s: TrainSettings, out: pathlib.Path, queue: PlanQueue, store: StageStore, vae, vae_params,
