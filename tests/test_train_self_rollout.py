@@ -138,15 +138,17 @@ def test_finetune_starts_from_a_weights_directory(tmp_path):
     from characters_jax.weights.directory import LatentStats, open_weights, save_weights
     from characters_jax.weights.dit import dit_checkpoint
     from characters_jax.train.finetune import load_trained
-    from characters_jax.train.pipeline import pure
+    from characters_jax.train.pipeline import pack, pure
     from characters_jax.train.vae_train import Vae
 
     cfg = mini_config()
     start = _init(cfg, seed=5)
     c = cfg.model.latent_channels
     stats = LatentStats(np.zeros(c, np.float32), np.ones(c, np.float32))
-    save_weights(tmp_path / "start", cfg, pure(start), pure(Vae(cfg).initial), stats, store_dtype=None)
-    dit, _, vae_params = load_trained(open_weights(tmp_path / "start", cfg), cfg)
+    start_record = {"dit": {"steps": 14}, "vae": {"steps": 9}}
+    save_weights(tmp_path / "start", cfg, pure(start), pure(Vae(cfg).initial), stats, start_record, store_dtype=None)
+    weights = open_weights(tmp_path / "start", cfg)
+    dit, _, vae_params = load_trained(weights, cfg)
     for a, b in zip(jax.tree.leaves(dit), jax.tree.leaves(start)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not all(np.array_equal(np.asarray(a), np.asarray(b))  # negative control: another init differs
@@ -155,8 +157,11 @@ def test_finetune_starts_from_a_weights_directory(tmp_path):
                                 dit)  # the same program as the other tests' (the compilation cache)
     moved = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(tuned), jax.tree.leaves(start))]
     assert 0 < max(moved) < 0.1  # two small steps away from the start
-    save_weights(tmp_path / "tuned", cfg, pure(tuned), pure(vae_params), stats)
-    assert dit_checkpoint(tmp_path / "tuned", cfg).endswith("dit")
+    summary = {"from_training": weights.manifest["training"], "stages": {"rollout": {"steps": 2}, "dit": {"steps": 16}}}
+    tuned_dir = pack(cfg, tmp_path / "tuned", tuned, vae_params, stats, summary)
+    assert dit_checkpoint(tuned_dir, cfg).endswith("dit")
+    # the packed weights keep the record they started from, this run's stages last and winning
+    assert open_weights(tuned_dir, cfg).manifest["training"] == {"dit": {"steps": 16}, "vae": {"steps": 9}, "rollout": {"steps": 2}}
 
 
 def test_the_stage_has_its_own_settings():

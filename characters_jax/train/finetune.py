@@ -69,7 +69,8 @@ def _finetune_run(cfg: Config, s: TrainSettings, command: str, detail: str, weig
 
     run = RunDir.open(s, out, deadline_s, log)
     weights = open_weights(weights_dir, cfg)
-    summary: dict = {"config": cfg.name, "deadline_s": run.deadline_s, "from_weights": str(weights.path), "stages": {}}
+    summary: dict = {"config": cfg.name, "deadline_s": run.deadline_s, "from_weights": str(weights.path),
+                     "from_training": weights.manifest.get("training", {}), "stages": {}}
     run.log(f"train {command}: config {cfg.name} from {weights.path}{detail}, deadline {run.deadline_s:.0f} s, backend "
             f"{jax.default_backend()}, into {run.out}")
     use_compile_cache(run.out / "xla-cache")

@@ -306,11 +306,13 @@ def use_compile_cache(directory: pathlib.Path) -> None:
 
 
 def pack(cfg: Config, out: pathlib.Path, dit_params, vae_params, stats: LatentStats, summary: dict) -> pathlib.Path:
-    """Writes out/weights (replacing it) and out/weights.tar."""
+    """Writes out/weights (replacing it) and out/weights.tar. The manifest's training record:
+    the stages of the weights a fine-tune started from (summary's `from_training`), then this
+    run's."""
     weights_dir = out / "weights"
     if weights_dir.exists():
         shutil.rmtree(weights_dir)
-    training = {k: v for k, v in summary["stages"].items()}
+    training = {**summary.get("from_training", {}), **summary["stages"]}
     save_weights(weights_dir, cfg, pure(dit_params), pure(vae_params), stats, training)
     with tarfile.open(out / "weights.tar", "w") as tar:
         tar.add(weights_dir, arcname=cfg.name)
