@@ -1,7 +1,7 @@
 """The fidelity measure (characters_jax.lipsync.fidelity): the ground truth with other motion
 at the ceiling, the shipped VAE near it, planted faults flagged by their own component, the
-shipped talking weights flagged on their demo clip (the decoder's stream drifts past its
-third chunk), random weights far off; the KID estimator and the verdict's limits.
+shipped talking weights keep their demo clip's colours as served (the decoder's stream state
+adds no drift past its third chunk), random weights far off; the KID estimator and the verdict's limits.
 Seeds: identities and motion from default_rng(SEED), the demo clip's plan (heldout 1000,
 seed 0), the engine's noise seed 1."""
 
@@ -106,8 +106,7 @@ def vae():
 
 
 def test_the_vae_round_trip_is_near_the_ceiling(vae, net):
-    """Three chunks (the stream the shipped decoder was trained on), streamed and chunk by
-    chunk: within the colour limit but for the clothes, the band along the frame's bottom
+    """Three chunks, streamed and chunk by chunk: within the colour limit but for the clothes, the band along the frame's bottom
     edge, where the shipped decoder is least exact (~5/255 over the bottom rows, whatever
     is drawn there); sharp; KID an order above the truth's, the baseline of the verdict."""
     from characters_jax.lipsync.fidelity_eval import decode_chunks
@@ -151,11 +150,12 @@ def test_the_verdicts_limits():
     assert verdict(figures(1.0, 1.0, 0.21), None)["kid"] is None  # no baseline: KID not judged
 
 
-def test_the_shipped_weights_are_flagged_on_their_demo_clip(vae, net):
+def test_the_shipped_decoder_keeps_the_demo_clips_colours_as_served(vae, net):
     """The shipped talking weights on the demo clip (12 steps, 48 frames; the engine on CPU,
-    the decoder as served): the background goes pink once the decoder's stream is past its
-    third chunk. The same latents decoded chunk by chunk keep the colours: the drift is the
-    decoder's temporal state, not the DiT's latents."""
+    the decoder as served, past the third chunk where a decoder trained on 3-chunk streams
+    turned the background pink: 30/255 and more): the served stream keeps the background
+    within 5/255 of the truth and stays within 2/255 and 0.5 KID of the same latents
+    decoded chunk by chunk (each from an empty history), so its stream state adds no drift."""
     pytest.importorskip("espeakng_loader")
     from characters_jax.config import load_config
     from characters_jax.data.clips import ClipSpec, plan_clip
@@ -174,9 +174,8 @@ def test_the_shipped_weights_are_flagged_on_their_demo_clip(vae, net):
     by_chunk = ref.score(decode_chunks(vae, latents))
     print(f"demo clip: served colour {served.colour_error:.1f}/255 (background {max(served.colour_vs_truth['background']):.1f}), "
           f"KID {served.kid:.3f}; chunk by chunk colour {by_chunk.colour_error:.1f}, KID {by_chunk.kid:.3f}")
-    assert max(served.colour_vs_truth["background"]) > 15 and served.colour_error > THRESHOLDS.colour
-    assert not verdict(summary([served]), by_chunk.kid)["pass"]
-    assert by_chunk.colour_error < THRESHOLDS.colour and served.kid > by_chunk.kid + 1.0
+    assert max(served.colour_vs_truth["background"]) < THRESHOLDS.colour
+    assert abs(served.colour_error - by_chunk.colour_error) < 2.0 and served.kid < by_chunk.kid + 0.5
 
 
 def test_random_weights_are_far_off(net):
