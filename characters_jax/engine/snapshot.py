@@ -70,7 +70,9 @@ class StateCopier:
     """The copy program of one engine's state (compiled at its first use)."""
 
     def __init__(self, shardings: StepState):
-        self.program = jax.jit(_copy_tree, out_shardings=shardings)
+        # A function of its own: jit shares compiled programs between equal functions with
+        # equal attributes, and a generator counts only the programs it holds.
+        self.program = jax.jit(lambda state: _copy_tree(state), out_shardings=shardings)
 
     def capture(self, state: StepState, step_index: int) -> StateCapture:
         """Dispatches the copy and the host transfer; returns at once."""
