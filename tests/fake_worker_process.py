@@ -8,7 +8,8 @@ the negative control, grpc_health's stock HealthServicer alone on a bare grpc se
 (a session reserved, then cancelled: what sessions starting and ending do, down to
 SessionTable.transition -> WorkerHealth.refresh), for the stock server with set().
 SIGTERM drains and stops the worker as `serve` does (the same hard deadline on shutdown)
-and exits 0. Writes {"port", "pid"} to --state-file once serving.
+and exits 0. Writes {"port", "pid", "threads_file"} to --state-file once serving; SIGUSR1
+writes the names of the process's Python threads (JSON list) to threads_file.
 """
 
 import argparse
@@ -75,6 +76,13 @@ def stock_server(_args):
     return port, flip, lambda: server.stop(grace=3.0).wait()
 
 
+def write_json(path: pathlib.Path, value) -> None:
+    """Writes `value` to `path` whole (a reader sees the old file or the new one)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--servicer", choices=("worker", "stock"), required=True)
@@ -88,10 +96,10 @@ def main() -> int:
     args = p.parse_args()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threads_file = pathlib.Path(args.state_file).with_suffix(".threads.json")
+    signal.signal(signal.SIGUSR1, lambda *_: write_json(threads_file, [t.name for t in threading.enumerate()]))
     port, flip, shutdown = (worker_server if args.servicer == "worker" else stock_server)(args)
-    tmp = pathlib.Path(args.state_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
-    os.replace(tmp, args.state_file)
+    write_json(pathlib.Path(args.state_file), {"port": port, "pid": os.getpid(), "threads_file": str(threads_file)})
     period = args.flip_ms / 1e3 if args.flip_ms > 0 else None
     while not stop.wait(period):
         flip()

@@ -26,7 +26,10 @@ live session.
 import pathlib
 import random
 import sys
+import threading
+import types
 
+import grpc
 import pytest
 from serving_stress import SCRIPT, chaos
 
@@ -124,3 +127,59 @@ def test_the_verdicts_can_fail():
     tol = chaos.Tolerance()
     assert tol.exceeded(chaos.ProcStats(tol.threads + 1, 0, 0)) and tol.exceeded(chaos.ProcStats(0, tol.fds + 1, 0))
     assert tol.exceeded(chaos.ProcStats(0, 0, int(tol.rss_mib * 1024) + 1)) and not tol.exceeded(chaos.ProcStats(-3, 0, -50_000))
+
+
+class CancelledCall(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "Locally cancelled by application!"
+
+
+class LateRequestThreadCall:
+    """A Decode call whose request thread (gRPC's consumer of the request iterator) has not
+    yet asked for a request when the call is cancelled; the response stream ends CANCELLED
+    once it is."""
+
+    def __init__(self, requests):
+        self.requests = requests
+        self._cancelled = threading.Event()
+
+    def cancel(self):
+        self._cancelled.set()
+
+    def cancelled(self):
+        return self._cancelled.is_set()
+
+    def __iter__(self):
+        self._cancelled.wait()
+        raise CancelledCall()
+
+
+def test_a_cancelled_decoder_link_ends_its_request_iterator():
+    """As its stream ends, the link's reader drains the request queue (to fail unanswered
+    state requests), the None that cancel() queued for the request iterator included; the
+    iterator must still end, or gRPC's request thread, when it asks after the drain, waits
+    in it for ever (a thread per cancelled session). Here that thread asks only after the
+    reader is done."""
+    from characters_jax.serving.decoder_link import DecoderLink
+
+    calls = []
+
+    def decode(requests, wait_for_ready):
+        calls.append(LateRequestThreadCall(requests))
+        return calls[-1]
+
+    client = types.SimpleNamespace(stub=types.SimpleNamespace(Decode=decode))
+    ended, states = threading.Event(), []
+    link = DecoderLink(client, "0" * 32, on_chunk=None, on_error=lambda m: pytest.fail(m), on_end=ended.set)
+    link.start()
+    link.request_state(0, lambda arrays, error: states.append(error))
+    link.cancel()
+    link.join(30)
+    assert ended.is_set() and states == ["the decoder stream ended before the decoder's state came back"]
+    request_thread = threading.Thread(target=lambda: list(calls[0].requests), daemon=True)
+    request_thread.start()
+    request_thread.join(30)
+    assert not request_thread.is_alive(), "the request iterator still waits for a request after its stream ended"

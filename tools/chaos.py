@@ -107,6 +107,16 @@ def thread_names(pid: int) -> dict[str, int]:
     return dict(sorted(names.items()))
 
 
+def python_thread_kinds(names: Sequence[str]) -> dict[str, int]:
+    """Python thread names counted by kind: a session's id or a pool's thread number
+    replaced by * (stepper-1a2b3c4d -> stepper-*, ThreadPoolExecutor-3_7 -> ThreadPoolExecutor-3_*)."""
+    kinds: dict[str, int] = {}
+    for name in names:
+        kind = re.sub(r"-[0-9a-f]{8}$", "-*", re.sub(r"_\d+$", "_*", name))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items()))
+
+
 def proc_stats(pid: int) -> ProcStats:
     status = pathlib.Path(f"/proc/{pid}/status").read_text()
     field = {k: v.split()[0] for k, _, v in (line.partition(":") for line in status.splitlines()) if v.strip()}
@@ -273,6 +283,22 @@ class WorkerProcess:
 
     def stats(self) -> ProcStats:
         return proc_stats(self.pid)
+
+    def python_threads(self, timeout: float = 5.0) -> dict[str, int] | None:
+        """The process's Python threads by kind (python_thread_kinds), where its state names a
+        "threads_file" that SIGUSR1 fills (fake workers); else None."""
+        path = self.state().get("threads_file")
+        if not path:
+            return None
+        path = pathlib.Path(path)
+        path.unlink(missing_ok=True)
+        os.kill(self.pid, signal.SIGUSR1)
+        limit = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > limit:
+                return None
+            time.sleep(0.02)
+        return python_thread_kinds(json.loads(path.read_text()))
 
     def terminate(self) -> None:
         if self.alive():
@@ -875,15 +901,20 @@ class ChaosRun:
                  f"faults {[(f.kind, round(f.at_s, 1)) for f in self.faults]}")
         self._traffic("warmup", self.options.warmup_s)
         self.baseline = self._settled(None)
-        self.baseline_threads = {name: thread_names(w.pid) for name, w in self.by_id.items()}
+        self.baseline_threads = {name: self._threads(w) for name, w in self.by_id.items()}
         warm = len(self.outcomes)
         self.log(f"warm-up: {warm} sessions; baseline {[(k, dataclasses.astuple(v)) for k, v in self.baseline.items()]}")
         t_chaos = time.monotonic()
         self._traffic("chaos", self.options.chaos_s, faults=True)
         chaos_wall = time.monotonic() - t_chaos
         self.end_stats = self._settled(self.baseline)
-        self.end_threads = {name: thread_names(w.pid) for name, w in self.by_id.items()}
+        self.end_threads = {name: self._threads(w) for name, w in self.by_id.items()}
         return self.report(warm, chaos_wall)
+
+    @staticmethod
+    def _threads(w: WorkerProcess) -> dict:
+        """The worker's threads by OS name and, where it tells them, its Python threads by kind."""
+        return {"os": thread_names(w.pid), "python": w.python_threads()}
 
     def _worker_id(self, w: WorkerProcess) -> str:
         return w.state().get("worker_id") or w.name
@@ -1030,7 +1061,11 @@ def print_report(report: dict, out=sys.stdout) -> None:
     p(f"  health at the end (worst of 6 Checks, ms): {report['health_at_end_ms']}")
     for name, r in report["resources"].items():
         p(f"  {name}: threads/fds/RSS KiB {r['start']} -> {r['end']} (delta {r['delta']}), process starts {r['process_starts']}")
-        p(f"      threads by name {r['threads_by_name']['start']} -> {r['threads_by_name']['end']}")
+        start, end = r["threads_by_name"]["start"], r["threads_by_name"]["end"]
+        p(f"      threads by name {start['os']} -> {end['os']}")
+        if start["python"] is not None and end["python"] is not None:
+            grew = {k: end["python"].get(k, 0) - start["python"].get(k, 0) for k in sorted(set(start["python"]) | set(end["python"]))}
+            p(f"      Python threads by kind {end['python']}; changed {({k: d for k, d in grew.items() if d})}")
     for c in report["checks"]:
         p(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['check']}" + ("" if c["ok"] else f": {c['detail'][:400]}"))
     p("ALL CHECKS HOLD" if report["ok"] else "SOME CHECKS FAILED")

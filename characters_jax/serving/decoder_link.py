@@ -160,7 +160,9 @@ class DecoderLink:
             self._fail_state_requests()
 
     def _fail_state_requests(self) -> None:
-        """The stream is over: state requests still unanswered get their error."""
+        """The stream is over: state requests still unanswered get their error, and the
+        request iterator ends (gRPC's request thread waits in it for the next item; the
+        drain below may have taken the None that finish or cancel queued for it)."""
         pending = list(self._state_requests)
         self._state_requests.clear()
         while True:
@@ -170,6 +172,7 @@ class DecoderLink:
                 break
             if isinstance(item, StateRequest):
                 pending.append(item)
+        self._q.put(None)
         for req in pending:
             req.on_state(None, "the decoder stream ended before the decoder's state came back")
 
